@@ -1,0 +1,5 @@
+import sys
+
+from kvprof.cli import main
+
+sys.exit(main())

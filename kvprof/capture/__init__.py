@@ -1,0 +1,1 @@
+"""Live capture: the only package that imports bcc (and, later, pynvml)."""

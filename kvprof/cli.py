@@ -1,0 +1,162 @@
+"""kvprof command line. `main(argv) -> int` so tests can call it without a subprocess."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvprof import __version__
+from kvprof.errors import EX_USAGE, KvprofError
+
+EXAMPLES = """examples:
+  sudo kvprof demo                       # built-in KV-offload workload on a private loop device
+  sudo kvprof record -d nvme0n1          # trace nvme0n1 until Ctrl-C, marks on the default socket
+  sudo kvprof record -d /dev/loop3 -p 4242 --duration 60 -o run1
+  kvprof mark prefill                    # from a shell: from now on, prefill
+  kvprof report run1                     # per-phase storage numbers
+  kvprof report run1 --json              # the same, for scripts
+  kvprof export run1 --parquet run1-pq   # one Parquet file per table
+  kvprof doctor                          # what live capture needs, and the fix for each part
+"""
+
+
+def _record_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", help="session directory (default: ./kvprof-DATE-TIME)")
+    p.add_argument("-d", "--device", action="append", default=[],
+                   help="block device name (nvme0n1, loop3) or path (/dev/loop3); repeatable")
+    p.add_argument("-p", "--pid", action="append", type=int, default=[],
+                   help="trace only this process and its threads; repeatable")
+    p.add_argument("--cgroup", action="append", default=[],
+                   help="trace only tasks in this cgroup v2 (path under /sys/fs/cgroup)")
+    p.add_argument("--layer", action="append", choices=("block", "io_uring"),
+                   help="capture only these layers (default: block and io_uring)")
+    p.add_argument("--duration", type=float, help="stop after this many seconds")
+    p.add_argument("--socket", help="marker socket path (default: $KVPROF_SOCKET or "
+                                    "/run/kvprof/marks.sock)")
+    p.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvprof", description="What storage does during LLM prefill and decode.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"kvprof {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("record", help="trace storage I/O and phase marks into a session",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _record_args(p)
+
+    p = sub.add_parser("report", help="per-phase storage numbers of a recorded session")
+    p.add_argument("session", help="session directory (or its session.duckdb)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("export", help="write a session's tables as Parquet")
+    p.add_argument("session")
+    p.add_argument("--parquet", required=True, metavar="DIR", help="output directory")
+
+    p = sub.add_parser("mark", help="send a phase mark to a running recorder")
+    p.add_argument("phase", choices=("prefill", "decode", "mixed", "idle"))
+    p.add_argument("--engine", default="", help="engine / instance name")
+    p.add_argument("--socket", help="marker socket path")
+    p.add_argument("--prefill-tokens", type=int)
+    p.add_argument("--decode-tokens", type=int)
+
+    sub.add_parser("doctor", help="check what live capture needs, with the fix for each")
+
+    p = sub.add_parser("demo", help="run a small KV-offload workload on a private loop device, "
+                                    "record it and report")
+    p.add_argument("--seconds", type=float, default=6.0, help="length of the workload")
+    p.add_argument("-o", "--output", help="keep the session in this directory")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def cmd_record(args) -> int:
+    from kvprof.record import RecordOptions, record, resolve_filters
+
+    opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
+                         cgroups=args.cgroup, layers=tuple(args.layer or ("block", "io_uring")),
+                         duration_s=args.duration, socket=args.socket)
+    if args.ebpf:
+        from kvprof.capture.ebpf import build_program
+
+        prog = build_program(opts.layers, resolve_filters(opts))
+        print("// cflags: " + " ".join(prog.cflags))
+        print(prog.text)
+        return 0
+    record(opts)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from kvprof.correlate import summarize
+    from kvprof.report import to_json, to_text
+    from kvprof.store import open_session
+
+    con = open_session(args.session)
+    try:
+        summary = summarize(con)
+    finally:
+        con.close()
+    sys.stdout.write(to_json(summary) + "\n" if args.json else to_text(summary, args.session))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from kvprof.export import export_parquet
+    from kvprof.store import open_session
+
+    con = open_session(args.session)
+    try:
+        for path in export_parquet(con, args.parquet):
+            print(path)
+    finally:
+        con.close()
+    return 0
+
+
+def cmd_mark(args) -> int:
+    from kvprof.markers import Marker
+
+    m = Marker(args.socket, engine=args.engine)
+    if not m.mark(args.phase, prefill_tokens=args.prefill_tokens,
+                  decode_tokens=args.decode_tokens):
+        # A shell script should learn that nobody listened, without failing hard.
+        print(f"kvprof: no recorder listening on {m.path}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from kvprof.doctor import run_doctor
+
+    return run_doctor()
+
+
+def cmd_demo(args) -> int:
+    from kvprof.demo import run_demo
+
+    return run_demo(seconds=args.seconds, out=args.output, as_json=args.json)
+
+
+COMMANDS = {"record": cmd_record, "report": cmd_report, "export": cmd_export,
+            "mark": cmd_mark, "doctor": cmd_doctor, "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return EX_USAGE
+    try:
+        return COMMANDS[args.command](args)
+    except KvprofError as e:
+        print(f"kvprof: error: {e}", file=sys.stderr)
+        if e.hint:
+            print(f"kvprof: hint: {e.hint}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,198 @@
+"""Per-phase storage numbers from a session store. Reads only; every view shows what this returns.
+
+An I/O belongs to the window that contains its issue time; time covered by no window is
+`idle`. Overlapping windows are flattened first: the more exact source wins, and among equals
+the later-starting window.
+"""
+from __future__ import annotations
+
+import heapq
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from kvprof import schema
+from kvprof.store import SessionInfo, session_info
+
+QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))
+MAIN_OPS = ("read", "write")
+
+
+def flatten(windows: pa.Table, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Disjoint (start, end, phase) pieces covering [t0, t1) exactly, gaps labelled idle."""
+    rows = [
+        (max(s, t0), min(e, t1), p, schema.SOURCE_RANK.get(src, 0))
+        for s, e, p, src in zip(windows["start_ns"].to_pylist(), windows["end_ns"].to_pylist(),
+                                windows["phase"].to_pylist(), windows["source"].to_pylist())
+        if min(e, t1) > max(s, t0)
+    ]
+    rows.sort(key=lambda r: r[0])
+    bounds = sorted({t0, t1, *(r[0] for r in rows), *(r[1] for r in rows)})
+    starts, ends, phases = [], [], []
+    heap: list = []  # (-rank, -start, end, phase): best covering window on top
+    i = 0
+    for a, b in zip(bounds, bounds[1:]):
+        while i < len(rows) and rows[i][0] <= a:
+            s, e, p, rank = rows[i]
+            heapq.heappush(heap, (-rank, -s, e, p))
+            i += 1
+        # Lazy deletion: a window that ended is dropped once it reaches the top.
+        while heap and heap[0][2] <= a:
+            heapq.heappop(heap)
+        phase = heap[0][3] if heap else "idle"
+        if phases and phases[-1] == phase and ends[-1] == a:
+            ends[-1] = b
+        else:
+            starts.append(a)
+            ends.append(b)
+            phases.append(phase)
+    return np.array(starts, np.int64), np.array(ends, np.int64), np.array(phases, object)
+
+
+def busy_islands(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Union of [start, end) intervals as sorted disjoint islands."""
+    if len(start) == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    order = np.argsort(start, kind="stable")
+    s, e = start[order], end[order]
+    run = np.maximum.accumulate(e)
+    brk = s[1:] > run[:-1]
+    return s[np.r_[True, brk]], run[np.r_[brk, True]]
+
+
+def busy_between(isl_s: np.ndarray, isl_e: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Busy ns inside each [a, b), from a cumulative busy-time function over the islands."""
+    if len(isl_s) == 0:
+        return np.zeros(len(a), np.int64)
+    lengths = isl_e - isl_s
+    cum = np.concatenate([[0], np.cumsum(lengths)])
+
+    def upto(t: np.ndarray) -> np.ndarray:
+        k = np.searchsorted(isl_s, t, side="right") - 1
+        kk = np.clip(k, 0, None)
+        within = np.minimum(np.maximum(t - isl_s[kk], 0), lengths[kk])
+        return np.where(k >= 0, cum[kk] + within, 0)
+
+    return upto(b) - upto(a)
+
+
+def _op_entry(bytes_: int, ios: int, time_s: float) -> dict:
+    return {
+        "bytes": int(bytes_),
+        "ios": int(ios),
+        "bandwidth_bytes_per_s": bytes_ / time_s if time_s > 0 else 0.0,
+        "iops": ios / time_s if time_s > 0 else 0.0,
+        "latency_us": {k: None for k, _ in QUANTILES},
+        "queue_us": {k: None for k, _ in QUANTILES},
+        "device_us": {k: None for k, _ in QUANTILES},
+        "size_hist": {},
+        "latency_hist_us": {},
+    }
+
+
+def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
+              t1: int | None = None) -> dict:
+    """The report as a dict; its shape is documented in the README and kept stable."""
+    info = session_info(con)
+    t0 = info.start_ns if t0 is None else t0
+    t1 = info.end_ns if t1 is None else t1
+    windows = con.sql("SELECT start_ns, end_ns, phase, source FROM phase").to_arrow_table()
+    ws, we, wp = flatten(windows, t0, t1)
+    durations = (we - ws).astype(np.float64)
+    total_s = max(t1 - t0, 0) / 1e9
+
+    phases: dict[str, dict] = {}
+    for p in schema.PHASES:
+        sel = wp == p
+        time_s = float(durations[sel].sum()) / 1e9
+        phases[p] = {
+            "time_s": time_s,
+            "time_share_pct": 100.0 * time_s / total_s if total_s > 0 else 0.0,
+            "windows": int(sel.sum()),
+            "block": {op: _op_entry(0, 0, time_s) for op in MAIN_OPS},
+            "io_uring": {op: _op_entry(0, 0, time_s) for op in MAIN_OPS},
+        }
+
+    # Window lookup table for the ASOF join. The first piece reaches back to the start of
+    # time so an I/O issued between attaching and the session's first timestamp still lands.
+    lookup_start = ws.copy()
+    if len(lookup_start):
+        lookup_start[0] = np.iinfo(np.int64).min
+    con.register("_kv_windows", pa.table({"w_start": lookup_start, "w_phase": wp.astype(str)}))
+    bounds = "" if (t0 == info.start_ns and t1 == info.end_ns) else \
+        f"WHERE issue_ns >= {int(t0)} AND issue_ns < {int(t1)}"
+    con.execute(f"""
+        CREATE OR REPLACE TEMP VIEW _kv_io AS
+        SELECT io.*, w.w_phase AS phase,
+               complete_ns - CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END AS total_ns,
+               CASE WHEN insert_ns > 0 THEN issue_ns - insert_ns ELSE 0 END AS queue_ns,
+               complete_ns - issue_ns AS device_ns
+        FROM (SELECT * FROM io {bounds}) io
+        ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start""")
+    qs = "[" + ", ".join(str(q) for _, q in QUANTILES) + "]"
+    stats = con.execute(f"""
+        SELECT phase, layer, op, count(*), sum(bytes)::UBIGINT,
+               quantile_cont(total_ns / 1e3, {qs}), quantile_cont(queue_ns / 1e3, {qs}),
+               quantile_cont(device_ns / 1e3, {qs})
+        FROM _kv_io GROUP BY ALL""").fetchall()
+    for p, layer, op, ios, nbytes, lat, queue, dev in stats:
+        entry = phases[p][layer].setdefault(op, _op_entry(0, 0, phases[p]["time_s"]))
+        entry.update(_op_entry(nbytes or 0, ios, phases[p]["time_s"]))
+        for key, vals in (("latency_us", lat), ("queue_us", queue), ("device_us", dev)):
+            entry[key] = {k: float(v) for (k, _), v in zip(QUANTILES, vals)}
+    for column, key in (("bytes", "size_hist"), ("total_ns / 1e3", "latency_hist_us")):
+        hist = con.execute(f"""
+            SELECT phase, layer, op, 2 ** floor(log2(greatest({column}, 1)))::UBIGINT AS bucket,
+                   count(*) FROM _kv_io GROUP BY ALL ORDER BY bucket""").fetchall()
+        for p, layer, op, bucket, n in hist:
+            phases[p][layer][op][key][str(int(bucket))] = int(n)
+
+    _idle(con, info, phases, ws, we, wp, bounds)
+    con.unregister("_kv_windows")
+    lost = {k: int(v) for k, v in info.lost.items()}
+    return {
+        "session": {
+            "id": info.session_id,
+            "host": info.host,
+            "kernel": info.kernel,
+            "kvprof_version": info.kvprof_version,
+            "start_wall_ns": info.start_wall_ns + (t0 - info.start_ns),
+            "duration_s": total_s,
+            "status": info.status,
+            "devices": [d["name"] for d in info.devices],
+            "lost_events": sum(lost.values()),
+            "lost_by_reason": lost,
+        },
+        "phases": phases,
+    }
+
+
+def _idle(con, info: SessionInfo, phases: dict, ws, we, wp, bounds: str) -> None:
+    """Per phase, the share of its time with no block request in flight: per device and on
+    all traced devices together. In flight = from insert (or issue, when the request skipped
+    the queue) to completion, the span the kernel's io_ticks also covers."""
+    tbl = con.sql(f"""
+        SELECT dev_name, CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END AS s,
+               complete_ns AS e
+        FROM (SELECT * FROM io {bounds}) WHERE layer = 'block'""").to_arrow_table()
+    names = tbl["dev_name"].to_numpy(zero_copy_only=False)
+    s = tbl["s"].to_numpy()
+    e = tbl["e"].to_numpy()
+    devices = [d["name"] for d in info.devices] or sorted(set(names.tolist()))
+
+    def idle_pct(mask) -> dict[str, float | None]:
+        isl_s, isl_e = busy_islands(s[mask], e[mask])
+        busy = busy_between(isl_s, isl_e, ws, we)
+        out = {}
+        for p in schema.PHASES:
+            sel = wp == p
+            t = float((we[sel] - ws[sel]).sum())
+            out[p] = 100.0 * (1 - float(busy[sel].sum()) / t) if t > 0 else None
+        return out
+
+    overall = idle_pct(np.ones(len(s), bool))
+    per_dev = {d: idle_pct(names == d) for d in devices}
+    for p in schema.PHASES:
+        phases[p]["block"]["time_idle_pct"] = overall[p]
+        phases[p]["block"]["devices"] = {d: {"time_idle_pct": per_dev[d][p]} for d in devices}

@@ -1,0 +1,47 @@
+"""`kvprof doctor`: one line per requirement of live capture, with the fix when it fails."""
+from __future__ import annotations
+
+import os
+
+from kvprof import system
+from kvprof.errors import KvprofError
+
+
+def _bcc() -> system.Check:
+    from kvprof.capture.bccload import FIX, load_bcc
+
+    try:
+        mod = load_bcc()
+    except KvprofError as e:
+        return system.Check("bcc", False, str(e).split(";")[0], FIX)
+    return system.Check("bcc", True, f"{getattr(mod, '__version__', '?')} from "
+                                     f"{os.path.dirname(mod.__file__)}")
+
+
+def _nvml() -> system.Check:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            n = pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+        return system.Check("nvml", True, f"{n} GPU(s)")
+    except Exception as e:  # noqa: BLE001 - pynvml raises its own types and OSError
+        return system.Check("nvml", False, f"not available ({type(e).__name__}); phase "
+                                           "windows from NVML are off",
+                            "install the NVIDIA driver (libnvidia-ml.so.1); optional")
+
+
+def run_doctor() -> int:
+    checks = [system.check_privilege(), system.check_tracefs(), *system.check_tracepoints(),
+              _bcc(), system.check_headers(), _nvml()]
+    for c in checks:
+        mark = "ok  " if c.ok else ("warn" if c.name == "nvml" else "FAIL")
+        line = f"{mark} {c.name:<20} {c.detail}"
+        print(line)
+        if not c.ok and c.fix:
+            print(f"     {'':<20} fix: {c.fix}")
+    required_failed = [c for c in checks if not c.ok and c.name != "nvml"]
+    return 1 if required_failed else 0

@@ -1,0 +1,1 @@
+"""Phase sources: each turns what it observes into rows of the `phase` table."""

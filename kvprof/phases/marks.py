@@ -1,0 +1,212 @@
+"""The marker protocol's receiving end: datagrams in, phase windows out.
+
+Transitions of one (source, engine) pair form back-to-back windows: a mark closes the
+engine's open window at its timestamp and opens the next; `idle` only closes. Complete
+windows are taken as they come. Malformed datagrams are counted and dropped; recording goes on.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from kvprof import schema
+from kvprof.errors import EX_USAGE, KvprofError
+from kvprof.markers import MAX_DATAGRAM, WIRE_VERSION
+
+MAX_ENGINE_LEN = 128
+
+
+@dataclass(frozen=True)
+class Mark:
+    phase: str
+    engine: str
+    source: str
+    ts_ns: int | None = None  # a transition
+    start_ns: int | None = None  # or a complete window
+    end_ns: int | None = None
+    prefill_tokens: int | None = None
+    decode_tokens: int | None = None
+
+
+def _int(msg: dict, key: str, required: bool) -> int | None:
+    v = msg.get(key)
+    if v is None and not required:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 63:
+        raise ValueError(f"{key} must be a non-negative integer")
+    return v
+
+
+def decode(data: bytes) -> Mark:
+    """Parse one datagram; ValueError says why it is malformed."""
+    if len(data) > MAX_DATAGRAM:
+        raise ValueError("datagram too large")
+    try:
+        msg = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise ValueError("not a JSON object")
+    if msg.get("v") != WIRE_VERSION:
+        raise ValueError(f"unsupported version {msg.get('v')!r}")
+    phase = msg.get("phase")
+    if phase not in schema.PHASES:
+        raise ValueError(f"unknown phase {phase!r}")
+    engine = msg.get("engine", "")
+    source = msg.get("source", "manual")
+    if not isinstance(engine, str) or len(engine) > MAX_ENGINE_LEN:
+        raise ValueError("bad engine")
+    if source not in schema.SOURCE_RANK:
+        raise ValueError(f"unknown source {source!r}")
+    common = dict(phase=phase, engine=engine, source=source,
+                  prefill_tokens=_int(msg, "prefill_tokens", False),
+                  decode_tokens=_int(msg, "decode_tokens", False))
+    if "ts_ns" in msg:
+        return Mark(ts_ns=_int(msg, "ts_ns", True), **common)
+    start, end = _int(msg, "start_ns", True), _int(msg, "end_ns", True)
+    if end <= start:  # type: ignore[operator]
+        raise ValueError("end_ns must be after start_ns")
+    return Mark(start_ns=start, end_ns=end, **common)
+
+
+class WindowBuilder:
+    """Turns marks into closed phase rows. Not thread-safe: one owner feeds it."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self.open: dict[tuple[str, str], Mark] = {}
+        self.out_of_order = 0
+
+    def _row(self, m: Mark, start: int, end: int) -> dict:
+        return {"start_ns": start, "end_ns": end, "phase": m.phase, "source": m.source,
+                "engine": m.engine, "gpu": None, "prefill_tokens": m.prefill_tokens,
+                "decode_tokens": m.decode_tokens, "confidence": 1.0}
+
+    def add(self, m: Mark) -> None:
+        if m.ts_ns is None:
+            if m.phase != "idle":
+                self.rows.append(self._row(m, m.start_ns, m.end_ns))  # type: ignore[arg-type]
+            return
+        key = (m.source, m.engine)
+        prev = self.open.get(key)
+        if prev is not None:
+            if m.ts_ns < prev.ts_ns:  # type: ignore[operator]
+                self.out_of_order += 1
+                return
+            if m.ts_ns > prev.ts_ns:  # type: ignore[operator]
+                self.rows.append(self._row(prev, prev.ts_ns, m.ts_ns))  # type: ignore[arg-type]
+            del self.open[key]
+        if m.phase != "idle":
+            self.open[key] = m
+
+    def close_all(self, end_ns: int) -> None:
+        for m in self.open.values():
+            if end_ns > m.ts_ns:  # type: ignore[operator]
+                self.rows.append(self._row(m, m.ts_ns, end_ns))  # type: ignore[arg-type]
+        self.open.clear()
+
+    def take(self) -> pa.Table | None:
+        rows, self.rows = self.rows, []
+        return pa.Table.from_pylist(rows, schema=schema.PHASE) if rows else None
+
+
+def _claim(path: Path) -> None:
+    """Remove a stale socket left by a dead recorder; refuse to steal a live one."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise KvprofError(f"marker socket path {path} exists and is not a socket", EX_USAGE)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        probe.connect(str(path))
+    except OSError as e:
+        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            path.unlink(missing_ok=True)
+            return
+        raise KvprofError(f"marker socket {path}: {e.strerror}", EX_USAGE) from None
+    finally:
+        probe.close()
+    raise KvprofError(f"another kvprof is already listening on {path}; pick another with "
+                      "--socket", EX_USAGE)
+
+
+class MarkServer:
+    """Receives marks in a thread; the recorder takes closed windows with `take()`."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        self.builder = WindowBuilder()
+        self.received = 0
+        self.malformed = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _claim(self.path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            self.sock.bind(str(self.path))
+        except OSError as e:
+            raise KvprofError(f"cannot listen for marks on {self.path}: {e.strerror}",
+                              EX_USAGE) from None
+        # Engines usually run as another user than the profiler: let them send.
+        os.chmod(self.path, 0o666)
+        self.sock.settimeout(0.1)
+        self._thread = threading.Thread(target=self._loop, name="kvprof-marks", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self.sock.recv(MAX_DATAGRAM + 1)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            self._handle(data)
+
+    def _handle(self, data: bytes) -> None:
+        with self._lock:
+            self.received += 1
+            try:
+                self.builder.add(decode(data))
+            except ValueError:
+                self.malformed += 1
+
+    def take(self) -> pa.Table | None:
+        with self._lock:
+            return self.builder.take()
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"marks_malformed": self.malformed,
+                    "marks_out_of_order": self.builder.out_of_order}
+
+    def stop(self, end_ns: int) -> None:
+        """Stop listening and close every open window at end_ns."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        # Marks already queued on the socket still count.
+        self.sock.setblocking(False)
+        while True:
+            try:
+                data = self.sock.recv(MAX_DATAGRAM + 1)
+            except OSError:
+                break
+            self._handle(data)
+        self.sock.close()
+        self.path.unlink(missing_ok=True)
+        with self._lock:
+            self.builder.close_all(end_ns)

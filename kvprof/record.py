@@ -1,0 +1,163 @@
+"""`kvprof record`: capture + phase marks -> session store, until Ctrl-C, SIGTERM or --duration."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Callable
+
+from kvprof import __version__, system
+from kvprof.devices import Device, resolve
+from kvprof.errors import EX_USAGE, KvprofError
+from kvprof.markers import socket_path
+from kvprof.store import Store
+
+FLUSH_INTERVAL_S = 0.25
+
+
+@dataclass
+class RecordOptions:
+    out: str | None = None
+    devices: list[str] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+    cgroups: list[str] = field(default_factory=list)
+    layers: tuple[str, ...] = ("block", "io_uring")
+    duration_s: float | None = None
+    socket: str | None = None
+    ringbuf_pages: int = 1024
+
+
+def default_out() -> Path:
+    return Path(datetime.now().strftime("kvprof-%Y%m%d-%H%M%S"))
+
+
+def resolve_filters(opts: RecordOptions):
+    from kvprof.capture.ebpf import Filters
+
+    devices = tuple(dict.fromkeys(resolve(d) for d in opts.devices))
+    for pid in opts.pids:
+        if not Path(f"/proc/{pid}").exists():
+            raise KvprofError(f"no process with pid {pid}", EX_USAGE)
+    cgroup_ids = []
+    for cg in opts.cgroups:
+        p = Path(cg) if cg.startswith("/sys/fs/cgroup") else Path("/sys/fs/cgroup") / cg.lstrip("/")
+        if not p.is_dir():
+            raise KvprofError(f"no cgroup at {p} (cgroup v2 path expected)", EX_USAGE)
+        cgroup_ids.append(os.stat(p).st_ino)
+    return Filters(devices=devices, tgids=tuple(opts.pids), cgroup_ids=tuple(cgroup_ids))
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM, so a signal ends the recording cleanly at the next flush."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._old: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, lambda *_: self.event.set())
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
+           stop: threading.Event | None = None) -> Path:
+    """Record one session and return its directory."""
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    system.require_privilege()
+    system.ensure_tracefs()
+    system.require_headers()
+    filters = resolve_filters(opts)
+    for layer in opts.layers:
+        missing = [t for t in system.TRACEPOINTS[layer] if not system.tracepoint_available(t)]
+        if missing:
+            raise KvprofError(f"this kernel lacks tracepoints {', '.join(missing)}; "
+                              f"record without that layer", EX_USAGE)
+
+    from kvprof.capture.bccload import bcc_version
+    from kvprof.capture.ebpf import Capture
+    from kvprof.phases.marks import MarkServer
+
+    flag = StopFlag()
+    if stop is None:
+        flag.install()
+        stop = flag.event
+    out = Path(opts.out) if opts.out else default_out()
+    store = Store.create(out)
+    marks = None
+    capture = None
+    try:
+        marks = MarkServer(socket_path(opts.socket))
+        marks.start()
+        capture = Capture(opts.layers, filters, opts.ringbuf_pages)
+        start_ns = time.monotonic_ns()
+        offset = time.time_ns() - time.monotonic_ns()
+        row = {
+            "session_id": uuid.uuid4().hex[:12],
+            "host": socket.gethostname(),
+            "kernel": platform.release(),
+            "kvprof_version": __version__,
+            "bcc_version": bcc_version(),
+            "start_wall_ns": start_ns + offset,
+            "start_ns": start_ns,
+            "end_ns": None,
+            "clock_offset_ns": offset,
+            "devices": _devices_json(filters.devices),
+            "config": json.dumps({"layers": list(opts.layers), "devices": opts.devices,
+                                  "pids": opts.pids, "cgroups": opts.cgroups,
+                                  "socket": str(marks.path), "phase_sources": ["marks"]}),
+            "lost": "{}",
+            "status": "recording",
+        }
+        store.write_session(row)
+        capture.start()
+        what = ", ".join(d.name for d in filters.devices) or "all block devices"
+        log(f"Tracing {'+'.join(opts.layers)} I/O on {what}; marks on {marks.path}; "
+            f"session {out}. Hit Ctrl-C to end.")
+        deadline = None if opts.duration_s is None else time.monotonic() + opts.duration_s
+        while not stop.is_set():
+            timeout = FLUSH_INTERVAL_S
+            if deadline is not None:
+                timeout = min(timeout, max(0.0, deadline - time.monotonic()))
+            if stop.wait(timeout) or (deadline is not None and time.monotonic() >= deadline):
+                break
+            store.append("io", capture.take())
+            store.append("phase", marks.take())
+        capture.stop()
+        end_ns = time.monotonic_ns()
+        marks.stop(end_ns)
+        store.append("io", capture.take())
+        store.append("phase", marks.take())
+        lost = capture.lost() | marks.counts()
+        row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
+                   devices=_devices_json(filters.devices or tuple(capture.seen_devices())))
+        store.write_session(row)
+        log(f"Recorded {capture.events_total} I/Os in {(end_ns - start_ns) / 1e9:.1f} s; "
+            f"lost {sum(lost.values())}. Report: kvprof report {out}")
+        return out
+    finally:
+        # Whatever happened, what was captured so far stays readable.
+        if marks is not None and not marks._stop.is_set():
+            marks.stop(time.monotonic_ns())
+        if capture is not None and not capture._stop.is_set():
+            capture.stop()
+        store.close()
+        flag.restore()
+
+
+def _devices_json(devs: tuple[Device, ...]) -> str:
+    return json.dumps([{"name": d.name, "major": d.major, "minor": d.minor} for d in devs])

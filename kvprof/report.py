@@ -1,0 +1,92 @@
+"""`kvprof report`: the summary from correlate, as text for people or JSON for scripts."""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+from kvprof import schema
+
+WIDTH = 80
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_us(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v >= 10_000:
+        return f"{v / 1000:.0f}ms"
+    if v >= 1000:
+        return f"{v / 1000:.1f}ms"
+    return f"{v:.0f}us"
+
+
+def size_label(b: int) -> str:
+    for unit, div in (("M", 1 << 20), ("K", 1 << 10)):
+        if b >= div:
+            return f"{b // div}{unit}"
+    return f"{b}B"
+
+
+def to_json(summary: dict) -> str:
+    return json.dumps(summary, indent=2, sort_keys=False)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} %"
+
+
+def to_text(summary: dict, name: str = "") -> str:
+    s = summary["session"]
+    start = datetime.fromtimestamp(s["start_wall_ns"] / 1e9, timezone.utc).strftime(
+        "%Y-%m-%d %H:%M:%S UTC")
+    lines = [
+        f"kvprof report {name}".rstrip(),
+        f"host {s['host']}  kernel {s['kernel']}  started {start}",
+        f"duration {s['duration_s']:.2f} s  devices: {', '.join(s['devices']) or '-'}  "
+        f"lost events: {s['lost_events']}"
+        + (f"  status: {s['status']}" if s["status"] != "complete" else ""),
+        "",
+        f"{'phase':<9}{'time':>10}{'share':>9}{'block idle':>12}",
+    ]
+    phases = summary["phases"]
+    for p in schema.PHASES:
+        ph = phases[p]
+        lines.append(f"{p:<9}{ph['time_s']:>9.2f}s{ph['time_share_pct']:>8.1f}%"
+                     f"{_pct(ph['block']['time_idle_pct']):>12}")
+    header = (f"  {'layer':<9}{'op':<6}{'ios':>8}{'bytes':>11}{'MiB/s':>8}{'IOPS':>8}"
+              f"{'p50':>7}{'p90':>7}{'p99':>7}{'p99.9':>7}")
+    for p in schema.PHASES:
+        ph = phases[p]
+        rows = [(layer, op, e) for layer in schema.LAYERS
+                for op, e in ph[layer].items() if isinstance(e, dict) and e.get("ios")]
+        if not rows:
+            continue
+        lines += ["", f"== {p}: {ph['time_s']:.2f} s ({ph['time_share_pct']:.1f} % of session)",
+                  header]
+        for layer, op, e in rows:
+            lat = e["latency_us"]
+            lines.append(
+                f"  {layer:<9}{op:<6}{e['ios']:>8}{human_bytes(e['bytes']):>11}"
+                f"{e['bandwidth_bytes_per_s'] / 2**20:>8.1f}{e['iops']:>8.0f}"
+                + "".join(f"{human_us(lat[k]):>7}" for k in ("p50", "p90", "p99", "p999")))
+            if layer == "block":
+                q, d = e["queue_us"], e["device_us"]
+                lines.append(f"  {'':<15}queue p50 {human_us(q['p50'])} p99 {human_us(q['p99'])}"
+                             f"   device p50 {human_us(d['p50'])} p99 {human_us(d['p99'])}")
+            sizes = "  ".join(f"{size_label(int(b))}:{n}" for b, n in e["size_hist"].items())
+            lines.append(f"  {'':<15}sizes {sizes}"[:WIDTH])
+        devs = ph["block"]["devices"]
+        if devs:
+            idle = "  ".join(f"{d} {_pct(v['time_idle_pct'])}" for d, v in devs.items())
+            lines.append(f"  block time idle: {idle}"[:WIDTH])
+    if s["lost_events"]:
+        lines += ["", "lost: " + ", ".join(f"{k} {v}" for k, v in s["lost_by_reason"].items()
+                                            if v)]
+    return "\n".join(lines) + "\n"

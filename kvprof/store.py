@@ -1,0 +1,123 @@
+"""A session is a directory holding one DuckDB file with the tables of kvprof.schema."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from kvprof import schema
+from kvprof.errors import EX_DATAERR, EX_NOINPUT, EX_USAGE, KvprofError
+
+DB_FILE = "session.duckdb"
+
+
+def db_path(session: str | Path) -> Path:
+    p = Path(session)
+    return p if p.suffix == ".duckdb" else p / DB_FILE
+
+
+class Store:
+    """Writer side. Owned by one thread; rows arrive as Arrow batches."""
+
+    def __init__(self, directory: Path, con: duckdb.DuckDBPyConnection):
+        self.directory = directory
+        self.con = con
+
+    @classmethod
+    def create(cls, directory: str | Path) -> "Store":
+        d = Path(directory)
+        if (d / DB_FILE).exists():
+            raise KvprofError(f"{d} already holds a session; choose another -o", EX_USAGE)
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            con = duckdb.connect(str(d / DB_FILE))
+        except (OSError, duckdb.Error) as e:
+            raise KvprofError(f"cannot create session in {d}: {e}", EX_USAGE) from None
+        for name in schema.TABLES:
+            con.execute(schema.duckdb_ddl(name))
+        return cls(d, con)
+
+    def append(self, table: str, data: pa.RecordBatch | pa.Table | None) -> int:
+        if data is None or data.num_rows == 0:
+            return 0
+        self.con.register("_kvprof_batch", data)
+        try:
+            self.con.execute(f"INSERT INTO {table} SELECT * FROM _kvprof_batch")
+        finally:
+            self.con.unregister("_kvprof_batch")
+        return data.num_rows
+
+    def write_session(self, row: dict) -> None:
+        tbl = pa.Table.from_pylist([row], schema=schema.SESSION)
+        self.con.execute("DELETE FROM session")
+        self.append("session", tbl)
+
+    def close(self) -> None:
+        self.con.execute("CHECKPOINT")
+        self.con.close()
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    host: str
+    kernel: str
+    kvprof_version: str
+    bcc_version: str
+    start_wall_ns: int
+    start_ns: int
+    end_ns: int
+    clock_offset_ns: int
+    devices: list
+    config: dict
+    lost: dict
+    status: str
+
+    @property
+    def duration_s(self) -> float:
+        return max(0, self.end_ns - self.start_ns) / 1e9
+
+
+def open_session(session: str | Path) -> duckdb.DuckDBPyConnection:
+    """Read-only connection to a recorded session, or a one-line KvprofError."""
+    path = db_path(session)
+    if not path.exists():
+        raise KvprofError(f"no kvprof session at {session} (expected {path})", EX_NOINPUT)
+    try:
+        con = duckdb.connect(str(path), read_only=True)
+        tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables")
+                  .fetchall()}
+    except duckdb.Error as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise KvprofError(f"{path} is not a readable kvprof session: {first}",
+                          EX_DATAERR) from None
+    missing = set(schema.TABLES) - tables
+    if missing:
+        con.close()
+        raise KvprofError(f"{path} is not a kvprof session (missing tables: "
+                          f"{', '.join(sorted(missing))})", EX_DATAERR)
+    return con
+
+
+def session_info(con: duckdb.DuckDBPyConnection) -> SessionInfo:
+    rows = con.sql("SELECT * FROM session").to_arrow_table().to_pylist()
+    if not rows:
+        raise KvprofError("session has no session row (recording never started)", EX_DATAERR)
+    r = rows[0]
+    end = r["end_ns"]
+    if end is None or end == 0:
+        # A recording that was killed before it finished: the data is still there, so
+        # end the session at the last thing it saw.
+        last = con.execute("SELECT greatest(coalesce(max(complete_ns),0), "
+                           "coalesce((SELECT max(end_ns) FROM phase),0)) FROM io").fetchone()[0]
+        end = max(int(last or 0), r["start_ns"])
+    return SessionInfo(
+        session_id=r["session_id"], host=r["host"], kernel=r["kernel"],
+        kvprof_version=r["kvprof_version"], bcc_version=r["bcc_version"],
+        start_wall_ns=r["start_wall_ns"], start_ns=r["start_ns"], end_ns=end,
+        clock_offset_ns=r["clock_offset_ns"], devices=json.loads(r["devices"] or "[]"),
+        config=json.loads(r["config"] or "{}"), lost=json.loads(r["lost"] or "{}"),
+        status=r["status"])

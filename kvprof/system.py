@@ -1,0 +1,150 @@
+"""What live capture needs from the host, each check with its fix. Used by capture before it
+attaches and by `kvprof doctor`; nothing here imports bcc."""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvprof.errors import EX_NOPERM, EX_UNAVAILABLE, KvprofError
+
+CAP_SYS_ADMIN = 21
+CAP_PERFMON = 38
+CAP_BPF = 39
+
+TRACEFS_CANDIDATES = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
+
+TRACEPOINTS = {
+    "block": ("block/block_rq_insert", "block/block_rq_issue", "block/block_rq_complete"),
+    "io_uring": ("io_uring/io_uring_submit_req", "io_uring/io_uring_complete"),
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+
+def effective_caps() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
+def check_privilege() -> Check:
+    caps = effective_caps()
+    has = lambda c: bool(caps >> c & 1)  # noqa: E731
+    if has(CAP_SYS_ADMIN) or (has(CAP_BPF) and has(CAP_PERFMON)):
+        return Check("privilege", True, "CAP_BPF+CAP_PERFMON" if not has(CAP_SYS_ADMIN) else "root")
+    return Check(
+        "privilege",
+        False,
+        "live capture needs root or CAP_BPF+CAP_PERFMON",
+        "run with sudo, or: sudo setcap cap_bpf,cap_perfmon+ep $(readlink -f $(which python3))",
+    )
+
+
+def require_privilege() -> None:
+    c = check_privilege()
+    if not c.ok:
+        raise KvprofError(f"{c.detail} (try sudo)", EX_NOPERM)
+
+
+def tracefs() -> Path | None:
+    for p in TRACEFS_CANDIDATES:
+        if (p / "events").is_dir():
+            return p
+    return None
+
+
+def check_tracefs() -> Check:
+    p = tracefs()
+    if p:
+        return Check("tracefs", True, str(p))
+    return Check("tracefs", False, "tracefs is not mounted",
+                 "sudo mount -t tracefs tracefs /sys/kernel/tracing")
+
+
+def ensure_tracefs() -> Path:
+    """Mount tracefs when it is missing and we may (bcc needs it to read tracepoint formats)."""
+    p = tracefs()
+    if p:
+        return p
+    try:
+        import subprocess
+
+        subprocess.run(["mount", "-t", "tracefs", "tracefs", "/sys/kernel/tracing"],
+                       check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    p = tracefs()
+    if not p:
+        c = check_tracefs()
+        raise KvprofError(f"{c.detail}; fix: {c.fix}", EX_UNAVAILABLE)
+    return p
+
+
+def tracepoint_available(tp: str) -> bool:
+    p = tracefs()
+    return bool(p) and (p / "events" / tp / "format").is_file()
+
+
+def check_tracepoints() -> list[Check]:
+    out = []
+    for group, tps in TRACEPOINTS.items():
+        missing = [t for t in tps if not tracepoint_available(t)]
+        if missing:
+            out.append(Check(f"tracepoints:{group}", False, "missing " + ", ".join(missing),
+                             "a kernel with CONFIG_BLK_DEV_IO_TRACE/io_uring tracepoints, "
+                             "and tracefs mounted"))
+        else:
+            out.append(Check(f"tracepoints:{group}", True, ", ".join(t.split("/")[1] for t in tps)))
+    return out
+
+
+def headers_dir() -> Path | None:
+    build = Path(f"/lib/modules/{platform.release()}/build")
+    if (build / "include").is_dir() or (build / "Makefile").exists():
+        return build
+    return None
+
+
+def headers_fix() -> str:
+    """Debian ships no headers for every kernel build; a tracepoint-only program is safe to
+    compile against the distribution's generic headers because argument layouts come from
+    tracefs, not from the headers."""
+    rel = platform.release()
+    generic = sorted(Path("/usr/src").glob("linux-headers-*-amd64")) + sorted(
+        Path("/usr/src").glob("linux-headers-*-arm64"))
+    if generic:
+        build = generic[-1]
+        common = Path(str(build).rsplit("-", 1)[0] + "-common")
+        return (f"sudo mkdir -p /lib/modules/{rel} && sudo ln -sfn {build} /lib/modules/{rel}/build"
+                f" && sudo ln -sfn {common} /lib/modules/{rel}/source")
+    return (f"sudo apt-get install linux-headers-{rel}  (or, where that package does not exist: "
+            "sudo apt-get install linux-headers-amd64, then run kvprof doctor again)")
+
+
+def check_headers() -> Check:
+    d = headers_dir()
+    if d:
+        return Check("kernel headers", True, str(d.resolve()))
+    if Path("/sys/kernel/kheaders.tar.xz").exists():
+        return Check("kernel headers", True, "/sys/kernel/kheaders.tar.xz (CONFIG_IKHEADERS)")
+    return Check("kernel headers", False, f"none for {platform.release()}", headers_fix())
+
+
+def require_headers() -> None:
+    c = check_headers()
+    if not c.ok:
+        raise KvprofError(f"no kernel headers for {platform.release()}; fix: {c.fix}",
+                          EX_UNAVAILABLE)
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0

@@ -1,0 +1,155 @@
+/* Block layer: one record per completed request, from the block_rq_insert / issue /
+ * complete tracepoints, matched by (dev, sector) as the bcc tools do on tracepoints. */
+#include "kvprof.h"
+
+struct block_key {
+    u32 dev;
+    u32 pad;
+    u64 sector;
+};
+
+struct block_start {
+    u64 insert_ns;
+    u64 issue_ns;
+    u64 cgroup_id;
+    u32 pid;
+    u32 tgid;
+    u32 bytes;
+    u16 flags;
+    u8 op;
+    u8 pad;
+    char comm[16];
+};
+
+/* LRU: a request whose completion we never see (front merge moved its sector, or it was
+ * in flight when a filter changed) must not fill the map for good. */
+BPF_TABLE("lru_hash", struct block_key, struct block_start, block_start_map, KVPROF_START_ENTRIES);
+
+/* rwbs as written by the kernel's blk_fill_rwbs(): an optional 'F' (preflush), the op letter
+ * (W R D F N, 'DE' for secure erase), then modifiers F(ua) A(head) S(ync) M(eta). */
+static __always_inline void parse_rwbs(const char *src, u8 *op, u16 *flags)
+{
+    char r[8];
+    __builtin_memcpy(r, src, sizeof(r));
+    u16 fl = 0;
+    int i = 0;
+    if (r[0] == 'F' && (r[1] == 'W' || r[1] == 'R' || r[1] == 'D' || r[1] == 'N' || r[1] == 'F')) {
+        fl |= KVPROF_FL_PREFLUSH;
+        i = 1;
+    }
+    char c = i ? r[1] : r[0];
+    switch (c) {
+    case 'R': *op = KVPROF_OP_READ; break;
+    case 'W': *op = KVPROF_OP_WRITE; break;
+    case 'D': *op = KVPROF_OP_DISCARD; break;
+    case 'F': *op = KVPROF_OP_FLUSH; break;
+    default: *op = KVPROF_OP_OTHER; break;
+    }
+#pragma unroll
+    for (int j = 1; j < 8; j++) {
+        if (j <= i)
+            continue;
+        switch (r[j]) {
+        case 'F': fl |= KVPROF_FL_FUA; break;
+        case 'A': fl |= KVPROF_FL_RAHEAD; break;
+        case 'S': fl |= KVPROF_FL_SYNC; break;
+        case 'M': fl |= KVPROF_FL_META; break;
+        default: break;
+        }
+    }
+    *flags = fl;
+}
+
+/* Who asked: only meaningful at insert/issue, which run in the submitter's context;
+ * completion runs in interrupt context. */
+static __always_inline void fill_task(struct block_start *v)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    v->pid = (u32)id;
+    v->tgid = id >> 32;
+    v->cgroup_id = bpf_get_current_cgroup_id();
+    bpf_get_current_comm(&v->comm, sizeof(v->comm));
+    if (!kvprof_task_allowed(v->tgid))
+        v->flags |= KVPROF_FL_FILTERED;
+}
+
+TRACEPOINT_PROBE(block, block_rq_insert)
+{
+    u32 dev = args->dev;
+    if (!kvprof_dev_allowed(dev))
+        return 0;
+    struct block_key k = {};
+    k.dev = dev;
+    k.sector = args->sector;
+    struct block_start v = {};
+    v.insert_ns = bpf_ktime_get_ns();
+    v.bytes = args->bytes;
+    parse_rwbs(args->rwbs, &v.op, &v.flags);
+    fill_task(&v);
+    block_start_map.update(&k, &v);
+    return 0;
+}
+
+TRACEPOINT_PROBE(block, block_rq_issue)
+{
+    u32 dev = args->dev;
+    if (!kvprof_dev_allowed(dev))
+        return 0;
+    struct block_key k = {};
+    k.dev = dev;
+    k.sector = args->sector;
+    u64 now = bpf_ktime_get_ns();
+    struct block_start *found = block_start_map.lookup(&k);
+    if (found) {
+        /* Merges after insert can grow the request: the issued size is the real one. */
+        found->issue_ns = now;
+        found->bytes = args->bytes;
+        return 0;
+    }
+    struct block_start v = {};
+    v.issue_ns = now;
+    v.bytes = args->bytes;
+    u16 fl = 0;
+    parse_rwbs(args->rwbs, &v.op, &fl);
+    v.flags = fl;
+    fill_task(&v);
+    block_start_map.update(&k, &v);
+    return 0;
+}
+
+TRACEPOINT_PROBE(block, block_rq_complete)
+{
+    u32 dev = args->dev;
+    if (!kvprof_dev_allowed(dev))
+        return 0;
+    struct block_key k = {};
+    k.dev = dev;
+    k.sector = args->sector;
+    struct block_start *v = block_start_map.lookup(&k);
+    if (!v) {
+        kvprof_count(KVPROF_LOST_BLOCK_UNMATCHED);
+        return 0;
+    }
+    if (v->flags & KVPROF_FL_FILTERED) {
+        block_start_map.delete(&k);
+        return 0;
+    }
+    struct kvprof_io e = {};
+    e.insert_ns = v->insert_ns;
+    e.issue_ns = v->issue_ns ? v->issue_ns : v->insert_ns;
+    e.complete_ns = bpf_ktime_get_ns();
+    e.sector = args->sector;
+    e.cgroup_id = v->cgroup_id;
+    e.bytes = v->bytes;
+    e.dev = dev;
+    e.pid = v->pid;
+    e.tgid = v->tgid;
+    e.error = args->error;
+    e.flags = v->flags;
+    e.op = v->op;
+    e.layer = KVPROF_LAYER_BLOCK;
+    __builtin_memcpy(e.comm, v->comm, sizeof(e.comm));
+    block_start_map.delete(&k);
+    kvprof_emit(&e);
+    return 0;
+}
