@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvprof import __version__
-from kvprof.errors import EX_USAGE, KvprofError
+from kvprof.errors import EX_SOFTWARE, EX_USAGE, KvprofError
 
 EXAMPLES = """examples:
   sudo kvprof demo                       # built-in KV-offload workload on a private loop device
@@ -160,3 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as e:  # noqa: BLE001 - last line of defence: one line, never a traceback
+        if os.environ.get("KVPROF_DEBUG"):
+            raise
+        first = (str(e).splitlines() or [""])[0]
+        print(f"kvprof: internal error: {type(e).__name__}: {first} "
+              "(set KVPROF_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EX_SOFTWARE

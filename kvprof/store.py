@@ -112,7 +112,7 @@ def session_info(con: duckdb.DuckDBPyConnection) -> SessionInfo:
         # A recording that was killed before it finished: the data is still there, so
         # end the session at the last thing it saw.
         last = con.execute("SELECT greatest(coalesce(max(complete_ns),0), "
-                           "coalesce((SELECT max(end_ns) FROM phase),0)) FROM io").fetchone()[0]
+                           "coalesce((SELECT max(end_ns) FROM phase),0)) FROM io").fetchall()[0][0]
         end = max(int(last or 0), r["start_ns"])
     return SessionInfo(
         session_id=r["session_id"], host=r["host"], kernel=r["kernel"],

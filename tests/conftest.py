@@ -1,0 +1,171 @@
+"""Fixtures for tests on real block devices: private loop devices over /dev/shm files, the
+kernel's own /sys/block counters, and `kvprof record` run as a real subprocess."""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvprof import system
+
+KVPROF = [sys.executable, "-m", "kvprof"]
+
+# /sys/block/DEV/stat fields (Documentation/block/stat.rst)
+READ_IOS, READ_SECTORS, WRITE_IOS, WRITE_SECTORS, IO_TICKS = 0, 2, 4, 6, 9
+
+
+def can_trace() -> str | None:
+    """Why live tracing tests cannot run here, or None."""
+    if not system.check_privilege().ok:
+        return "needs root (CAP_BPF+CAP_PERFMON)"
+    if shutil.which("losetup") is None:
+        return "needs losetup"
+    try:
+        from kvprof.capture.bccload import load_bcc
+
+        load_bcc()
+    except Exception as e:  # noqa: BLE001
+        return f"needs bcc: {e}"
+    if system.check_headers().ok is False:
+        return "needs kernel headers"
+    return None
+
+
+live = pytest.mark.skipif(
+    can_trace() is not None and os.environ.get("KVPROF_REQUIRE_LIVE") != "1",
+    reason=str(can_trace()))
+
+
+def read_stat(dev: str) -> list[int]:
+    return [int(x) for x in Path(f"/sys/block/{dev}/stat").read_text().split()]
+
+
+def stat_delta(a: list[int], b: list[int]) -> list[int]:
+    return [y - x for x, y in zip(a, b)]
+
+
+def settle(dev: str, quiet_s: float = 0.3, timeout_s: float = 10) -> list[int]:
+    """Wait until nobody (udev probes, earlier tests) touches the device."""
+    deadline = time.monotonic() + timeout_s
+    last = read_stat(dev)
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = read_stat(dev)
+        if now[:8] == last[:8] and now[8] == 0:
+            return now
+        last = now
+    return last
+
+
+@pytest.fixture
+def loopdev(tmp_path):
+    """A private loop device over a sparse file in /dev/shm; yields its name (loopN)."""
+    backing = Path(f"/dev/shm/kvprof-test-{os.getpid()}-{tmp_path.name}.img")
+    with open(backing, "wb") as f:
+        f.truncate(256 << 20)
+    dev = subprocess.run(["losetup", "--find", "--show", str(backing)], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    try:
+        yield Path(dev).name
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=False)
+        backing.unlink(missing_ok=True)
+
+
+def aligned(size: int) -> mmap.mmap:
+    return mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
+
+
+def direct_write(dev: str, nbytes: int, block: int = 1 << 20, offset: int = 0) -> None:
+    buf = aligned(block)
+    buf.write(b"\xab" * block)
+    fd = os.open(f"/dev/{dev}", os.O_WRONLY | os.O_DIRECT)
+    try:
+        for off in range(offset, offset + nbytes, block):
+            assert os.pwritev(fd, [buf], off) == block
+    finally:
+        os.close(fd)
+
+
+def direct_random_reads(dev: str, count: int, span: int, size: int = 4096, seed: int = 7) -> None:
+    import random
+
+    rnd = random.Random(seed)
+    buf = aligned(size)
+    fd = os.open(f"/dev/{dev}", os.O_RDONLY | os.O_DIRECT)
+    try:
+        for _ in range(count):
+            off = rnd.randrange(0, span // size) * size
+            assert os.preadv(fd, [buf], off) == size
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Recorder:
+    proc: subprocess.Popen
+    out: Path
+    socket: str
+    stderr_lines: list
+
+    def stop(self, sig=signal.SIGINT, timeout: float = 60) -> int:
+        self.proc.send_signal(sig)
+        rc = self.proc.wait(timeout)
+        self._reader.join(5)
+        return rc
+
+    def report(self) -> dict:
+        r = run_kvprof("report", str(self.out), "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+
+def run_kvprof(*args: str, env: dict | None = None, prefix: list[str] | None = None,
+               timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run((prefix or []) + KVPROF + list(args), capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture
+def start_recorder(tmp_path):
+    started: list[Recorder] = []
+
+    def start(*args: str, name: str = "session") -> Recorder:
+        out = tmp_path / name
+        sock = str(tmp_path / f"{name}.sock")
+        proc = subprocess.Popen(KVPROF + ["record", "-o", str(out), "--socket", sock, *args],
+                                stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        lines: list[str] = []
+        ready = threading.Event()
+
+        def pump():
+            for line in proc.stderr:
+                lines.append(line)
+                if "Hit Ctrl-C" in line:
+                    ready.set()
+            ready.set()
+
+        t = threading.Thread(target=pump, daemon=True)
+        t.start()
+        rec = Recorder(proc, out, sock, lines)
+        rec._reader = t
+        started.append(rec)
+        assert ready.wait(90), "recorder did not start"
+        assert proc.poll() is None, "".join(lines)
+        return rec
+
+    yield start
+    for rec in started:
+        if rec.proc.poll() is None:
+            rec.proc.kill()
+            rec.proc.wait()

@@ -1,0 +1,212 @@
+"""Live capture on real loop devices, checked against the kernel's counters and fio's report."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import duckdb
+import pytest
+
+from kvprof.markers import Marker
+from tests.conftest import (IO_TICKS, READ_IOS, READ_SECTORS, WRITE_IOS, WRITE_SECTORS,
+                            direct_random_reads, direct_write, live, read_stat, settle,
+                            stat_delta)
+
+pytestmark = live
+
+
+def test_per_phase_block_numbers_equal_sys_block_stat(loopdev, start_recorder):
+    rec = start_recorder("-d", loopdev)
+    marker = Marker(rec.socket, engine="test")
+    s0 = settle(loopdev)
+    marker.mark("prefill")
+    direct_write(loopdev, 24 << 20)  # 24 MiB, O_DIRECT, 1 MiB writes
+    s1 = read_stat(loopdev)
+    marker.mark("decode")
+    direct_random_reads(loopdev, 1500, span=24 << 20)  # 1500 random 4 KiB reads
+    s2 = read_stat(loopdev)
+    marker.mark("idle")
+    time.sleep(0.1)
+    assert rec.stop() == 0
+    report = rec.report()
+    prefill, decode = stat_delta(s0, s1), stat_delta(s1, s2)
+    p, d = report["phases"]["prefill"]["block"], report["phases"]["decode"]["block"]
+
+    assert p["write"]["ios"] == prefill[WRITE_IOS] > 0
+    assert p["write"]["bytes"] == prefill[WRITE_SECTORS] * 512 == 24 << 20
+    assert p["read"]["ios"] == prefill[READ_IOS]
+    assert d["read"]["ios"] == decode[READ_IOS] == 1500
+    assert d["read"]["bytes"] == decode[READ_SECTORS] * 512
+    assert d["write"]["ios"] == decode[WRITE_IOS] == 0
+    assert d["read"]["size_hist"] == {"4096": 1500}
+    assert report["session"]["lost_events"] == 0
+    # bandwidth and IOPS are the counts over the phase's own time
+    t = report["phases"]["decode"]["time_s"]
+    assert d["read"]["iops"] == pytest.approx(1500 / t)
+    lat = d["read"]["latency_us"]
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"] <= lat["p999"]
+
+
+def test_io_uring_reads_equal_fio_count(loopdev, start_recorder, tmp_path):
+    if shutil.which("fio") is None:
+        pytest.skip("needs fio")
+    # fio starts stopped so the recorder can be pointed at its pid before any I/O; --thread
+    # keeps its job inside that process.
+    starter = ("import os, signal, sys; os.kill(os.getpid(), signal.SIGSTOP); "
+               "os.execvp('fio', sys.argv[1:])")
+    out = tmp_path / "fio.json"
+    fio = subprocess.Popen([sys.executable, "-c", starter, "fio", "--name=kv", "--thread",
+                            f"--filename=/dev/{loopdev}", "--rw=randread", "--bs=4k",
+                            "--size=64M", "--io_size=16M", "--direct=1", "--ioengine=io_uring",
+                            "--iodepth=16", "--output-format=json", f"--output={out}"])
+    try:
+        while open(f"/proc/{fio.pid}/stat").read().split()[2] != "T":
+            time.sleep(0.01)
+        rec = start_recorder("-d", loopdev, "-p", str(fio.pid))
+        s0 = settle(loopdev)
+        fio.send_signal(signal.SIGCONT)
+        assert fio.wait(120) == 0
+        s1 = read_stat(loopdev)
+    finally:
+        if fio.poll() is None:
+            fio.kill()
+    assert rec.stop() == 0
+    report = rec.report()
+    fio_reads = json.loads(out.read_text())["jobs"][0]["read"]["total_ios"]
+    idle = report["phases"]["idle"]
+    assert idle["io_uring"]["read"]["ios"] == fio_reads == 4096
+    assert idle["io_uring"]["read"]["bytes"] == fio_reads * 4096
+    assert idle["block"]["read"]["ios"] == stat_delta(s0, s1)[READ_IOS]
+
+
+def test_time_idle_matches_io_ticks(loopdev, start_recorder):
+    if shutil.which("fio") is None:
+        pytest.skip("needs fio")
+    rec = start_recorder("-d", loopdev)
+    marker = Marker(rec.socket)
+    settle(loopdev)
+    t_a = time.monotonic_ns()
+    s_a = read_stat(loopdev)
+    marker.mark("decode", ts_ns=t_a)
+    # ~2 s of back-to-back sequential reads (always something in flight), then ~2 s idle.
+    subprocess.run(["fio", "--name=seq", f"--filename=/dev/{loopdev}", "--rw=read",
+                    "--bs=128k", "--direct=1", "--ioengine=io_uring", "--iodepth=4",
+                    "--time_based", "--runtime=2", "--size=200M", "--output=/dev/null"],
+                   check=True)
+    time.sleep(2)
+    s_b = read_stat(loopdev)
+    t_b = time.monotonic_ns()
+    marker.mark("idle", ts_ns=t_b)
+    time.sleep(0.1)
+    assert rec.stop() == 0
+    report = rec.report()
+    window_ms = (t_b - t_a) / 1e6
+    kernel_idle = 100 * (1 - stat_delta(s_a, s_b)[IO_TICKS] / window_ms)
+    ours = report["phases"]["decode"]["block"]["time_idle_pct"]
+    assert 25 < kernel_idle < 75, kernel_idle  # the workload did what it should
+    assert abs(ours - kernel_idle) <= 2.0, (ours, kernel_idle)
+    assert report["phases"]["decode"]["block"]["devices"][loopdev]["time_idle_pct"] == ours
+
+
+def test_marks_from_another_process_keep_sender_timestamps(loopdev, start_recorder):
+    rec = start_recorder("-d", loopdev)
+    base = time.monotonic_ns()
+    code = (
+        "import sys, time; from kvprof.markers import Marker; m = Marker(sys.argv[1], "
+        "engine='other'); b = int(sys.argv[2]);"
+        "m.window('prefill', b + 1000, b + 5000, prefill_tokens=512);"
+        "m.mark('decode', ts_ns=b + 6000, decode_tokens=1);"
+        "m.mark('mixed', ts_ns=b + 9000); m.mark('idle', ts_ns=b + 12000)")
+    subprocess.run([sys.executable, "-c", code, rec.socket, str(base)], check=True)
+    # the shell form too: `kvprof mark` from a script, timestamped by its own process
+    before = time.monotonic_ns()
+    r = subprocess.run([sys.executable, "-m", "kvprof", "mark", "prefill", "--socket",
+                        rec.socket, "--engine", "sh"], capture_output=True, text=True)
+    after = time.monotonic_ns()
+    assert r.returncode == 0, r.stderr
+    time.sleep(0.2)
+    assert rec.stop() == 0
+    con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
+    rows = con.execute("SELECT start_ns - $b, end_ns - $b, phase, engine, prefill_tokens, "
+                   "decode_tokens FROM phase WHERE engine = 'other' ORDER BY start_ns",
+                       {"b": base}).fetchall()
+    assert rows == [(1000, 5000, "prefill", "other", 512, None),
+                    (6000, 9000, "decode", "other", None, 1),
+                    (9000, 12000, "mixed", "other", None, None)]
+    (start,) = con.execute("SELECT start_ns FROM phase WHERE engine = 'sh'").fetchall()[0]
+    assert before <= start <= after
+
+
+def test_malformed_marks_are_counted_and_recording_goes_on(loopdev, start_recorder):
+    import socket
+
+    rec = start_recorder("-d", loopdev)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    bad = [b"not json", b"[1,2]", b'{"v":1,"phase":"lunch","ts_ns":1}',
+           b'{"v":1,"phase":"decode","ts_ns":-5}', b'{"v":9,"phase":"decode","ts_ns":1}',
+           b'{"v":1,"phase":"decode","start_ns":10,"end_ns":5}', b"\xff\xfe"]
+    for b in bad:
+        s.sendto(b, rec.socket)
+    Marker(rec.socket).mark("decode")
+    settle(loopdev, quiet_s=0.05)
+    direct_random_reads(loopdev, 100, span=16 << 20)
+    Marker(rec.socket).mark("idle")
+    time.sleep(0.1)
+    assert rec.stop() == 0
+    report = rec.report()
+    assert report["session"]["lost_by_reason"]["marks_malformed"] == len(bad)
+    assert report["phases"]["decode"]["block"]["read"]["ios"] == 100
+
+
+def test_sigterm_and_sigkill_leave_a_readable_session(loopdev, start_recorder):
+    rec = start_recorder("-d", loopdev, name="term")
+    direct_write(loopdev, 4 << 20)
+    assert rec.stop(signal.SIGTERM) == 0
+    assert rec.report()["session"]["status"] == "complete"
+
+    rec = start_recorder("-d", loopdev, name="kill")
+    s0 = settle(loopdev)
+    direct_write(loopdev, 8 << 20)
+    s1 = read_stat(loopdev)
+    time.sleep(1.0)  # a few flush intervals
+    rec.stop(signal.SIGKILL)
+    report = rec.report()
+    assert report["session"]["status"] == "recording"
+    assert report["phases"]["idle"]["block"]["write"]["ios"] == stat_delta(s0, s1)[WRITE_IOS]
+
+
+def test_export_reads_back_with_pyarrow_and_duckdb(loopdev, start_recorder, tmp_path):
+    import pyarrow.parquet as pq
+
+    from kvprof import schema
+
+    rec = start_recorder("-d", loopdev)
+    m = Marker(rec.socket)
+    m.mark("prefill")
+    direct_write(loopdev, 4 << 20)
+    m.mark("decode")
+    direct_random_reads(loopdev, 200, span=4 << 20)
+    m.mark("idle")
+    time.sleep(0.1)
+    assert rec.stop() == 0
+    out = tmp_path / "pq"
+    r = subprocess.run([sys.executable, "-m", "kvprof", "export", str(rec.out), "--parquet",
+                        str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    store = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
+    for table, sch in schema.TABLES.items():
+        t = pq.read_table(out / f"{table}.parquet")
+        assert t.schema.names == sch.names
+        assert [f.type for f in t.schema] == [f.type for f in sch]
+        n = store.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0]
+        assert t.num_rows == n > 0
+        path = str(out / f"{table}.parquet")
+        diff = store.execute(f"SELECT count(*) FROM (SELECT * FROM {table} EXCEPT ALL "
+                         f"SELECT * FROM read_parquet('{path}'))").fetchall()[0][0]
+        assert diff == 0
+    assert store.execute("SELECT count(*) FROM io WHERE layer='block'").fetchall()[0][0] >= 200 + 4
