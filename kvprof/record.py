@@ -97,11 +97,16 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         flag.install()
         stop = flag.event
     out = Path(opts.out) if opts.out else default_out()
-    store = Store.create(out)
-    marks = None
+    # Claim the marker socket first: a second recorder on the same socket fails before it
+    # leaves an empty session behind.
+    marks = MarkServer(socket_path(opts.socket))
+    try:
+        store = Store.create(out)
+    except BaseException:
+        marks.stop(time.monotonic_ns())
+        raise
     capture = None
     try:
-        marks = MarkServer(socket_path(opts.socket))
         marks.start()
         capture = Capture(opts.layers, filters, opts.ringbuf_pages)
         start_ns = time.monotonic_ns()
@@ -151,7 +156,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         return out
     finally:
         # Whatever happened, what was captured so far stays readable.
-        if marks is not None and not marks._stop.is_set():
+        if not marks._stop.is_set():
             marks.stop(time.monotonic_ns())
         if capture is not None and not capture._stop.is_set():
             capture.stop()

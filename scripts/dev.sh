@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Sets up everything kvprof needs on a fresh Debian/Ubuntu machine, then runs one job:
+#   bash scripts/dev.sh demo   - the built-in KV-offload demo, recorded live and reported
+#   bash scripts/dev.sh test   - the test suite (live tests on real loop devices included)
+# Idempotent: a second run installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+job=${1:-}
+case "$job" in demo|test|setup) shift ;; *) echo "usage: bash scripts/dev.sh demo|test|setup [args]" >&2; exit 64 ;; esac
+
+if [ "$(id -u)" != 0 ]; then
+  if command -v sudo >/dev/null; then exec sudo -E bash "$0" "$job" "$@"; fi
+  echo "scripts/dev.sh: installing system packages and tracing need root" >&2; exit 77
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+apt_updated=
+apt_install() {
+  [ -n "$apt_updated" ] || { apt-get update -qq; apt_updated=1; }
+  apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+# bcc comes from the OS, not PyPI (the PyPI "bcc" is an unrelated package).
+need=()
+dpkg -s python3-bpfcc >/dev/null 2>&1 || need+=(python3-bpfcc bpfcc-tools)
+for tool in fio:fio losetup:mount setpriv:util-linux mkfs.ext4:e2fsprogs tmux:tmux; do
+  command -v "${tool%%:*}" >/dev/null || need+=("${tool#*:}")
+done
+python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
+[ ${#need[@]} -eq 0 ] || apt_install "${need[@]}"
+
+# Kernel headers for bcc. The matching package is right where it exists; kernels built
+# elsewhere have none, and then Debian's generic headers serve: tracepoint argument layouts
+# come from tracefs, so nothing kvprof reads depends on the header version.
+rel=$(uname -r)
+if [ ! -e "/lib/modules/$rel/build/Makefile" ] && [ ! -e /sys/kernel/kheaders.tar.xz ]; then
+  if ! apt_install "linux-headers-$rel" 2>/dev/null; then
+    arch=$(dpkg --print-architecture)
+    apt_install "linux-headers-$arch"
+    build=$(ls -d /usr/src/linux-headers-*-"$arch" | sort -V | tail -n 1)
+    mkdir -p "/lib/modules/$rel"
+    ln -sfn "$build" "/lib/modules/$rel/build"
+    ln -sfn "${build%-"$arch"}-common" "/lib/modules/$rel/source"
+  fi
+fi
+
+[ -d /sys/kernel/tracing/events ] || mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null || true
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+
+case "$job" in
+  demo) exec .venv/bin/kvprof demo "$@" ;;
+  test) KVPROF_REQUIRE_LIVE=1 exec .venv/bin/python -m pytest "$@" ;;
+  setup) echo "kvprof is set up: .venv/bin/kvprof doctor" ;;
+esac

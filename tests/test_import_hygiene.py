@@ -1,0 +1,26 @@
+"""Layering: the headless core runs without bcc, pynvml or textual being imported."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+CORE = ["kvprof.cli", "kvprof.correlate", "kvprof.report", "kvprof.export", "kvprof.store",
+        "kvprof.record", "kvprof.markers", "kvprof.phases.marks", "kvprof.doctor"]
+
+
+def test_core_imports_no_capture_or_ui_libraries():
+    code = ("import importlib, json, sys\n"
+            f"for m in {CORE!r}: importlib.import_module(m)\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    mods = set(json.loads(subprocess.run([sys.executable, "-c", code], check=True,
+                                         capture_output=True, text=True).stdout))
+    assert not {"bcc", "pynvml", "textual"} & mods
+
+
+def test_marker_client_imports_only_the_standard_library():
+    code = "import sys; import kvprof.markers; print(' '.join(sorted(sys.modules)))"
+    mods = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                          text=True).stdout.split()
+    heavy = {"duckdb", "pyarrow", "numpy", "bcc", "pynvml", "textual"}
+    assert not heavy & set(mods)
