@@ -4,7 +4,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 

@@ -1,0 +1,97 @@
+"""Overhead of live capture, as ratios against baselines measured in the same run.
+
+    sudo .venv/bin/python benchmarks/overhead.py [--rounds 3] [--runtime 5]
+
+For each round: fio without kvprof, fio with `kvprof record` attached, fio without again, on
+a private loop device over /dev/shm (4 KiB random reads, io_uring QD32, and psync QD1). Prints
+IOPS and the attached/baseline ratio. Then times
+`kvprof report` on the recorded session against a bare DuckDB scan of the same table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+JOBS = {
+    "io_uring QD32": ["--ioengine=io_uring", "--iodepth=32"],
+    "psync QD1": ["--ioengine=psync", "--iodepth=1"],
+}
+
+
+def fio_iops(dev: str, extra: list[str], runtime: int) -> float:
+    out = subprocess.run(["fio", "--name=b", f"--filename={dev}", "--rw=randread", "--bs=4k",
+                          "--direct=1", "--time_based", f"--runtime={runtime}", "--size=128M",
+                          "--output-format=json", *extra], check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out)["jobs"][0]["read"]["iops"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--runtime", type=int, default=5)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="kvprof-bench-"))
+    backing = Path(f"/dev/shm/kvprof-bench-{os.getpid()}.img")
+    backing.write_bytes(b"")
+    os.truncate(backing, 256 << 20)
+    dev = subprocess.run(["losetup", "--find", "--show", str(backing)], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    session = None
+    try:
+        for name, extra in JOBS.items():
+            ratios = []
+            for r in range(args.rounds):
+                before = fio_iops(dev, extra, args.runtime)
+                session = tmp / f"{name.split()[0]}-{r}"
+                rec = subprocess.Popen([sys.executable, "-m", "kvprof", "record", "-d", dev,
+                                        "-o", str(session), "--socket", str(tmp / "m.sock")],
+                                       stderr=subprocess.PIPE, text=True)
+                for line in rec.stderr:
+                    if "Hit Ctrl-C" in line:
+                        break
+                attached = fio_iops(dev, extra, args.runtime)
+                rec.send_signal(signal.SIGINT)
+                rec.communicate(timeout=120)
+                after = fio_iops(dev, extra, args.runtime)
+                base = (before + after) / 2
+                ratios.append(attached / base)
+                print(f"{name:<14} round {r}: baseline {before:9.0f} / {after:9.0f} IOPS, "
+                      f"attached {attached:9.0f} IOPS, ratio {attached / base:.3f}", flush=True)
+            print(f"{name:<14} median attached/baseline ratio {statistics.median(ratios):.3f}")
+        import duckdb
+
+        db = str(session / "session.duckdb")
+        t = time.perf_counter()
+        con = duckdb.connect(db, read_only=True)
+        n = con.execute("SELECT count(*), sum(bytes), max(complete_ns - issue_ns) FROM io"
+                        ).fetchall()[0][0]
+        con.close()
+        bare = time.perf_counter() - t
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "kvprof", "report", str(session), "--json"],
+                       check=True, capture_output=True)
+        rep = time.perf_counter() - t
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import kvprof.cli, duckdb, numpy, pyarrow"],
+                       check=True)
+        startup = time.perf_counter() - t
+        print(f"report on {n} I/O rows: {rep:.2f} s (of which interpreter+imports "
+              f"{startup:.2f} s); bare scan {bare:.3f} s; ratio (report - startup)/bare "
+              f"{(rep - startup) / bare:.1f}")
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=False)
+        backing.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
