@@ -117,6 +117,13 @@ TRACEPOINT_PROBE(block, block_rq_issue)
     return 0;
 }
 
+/* The flush machinery (block/blk-flush.c) strips PREFLUSH/FUA from a request before it is
+ * issued and, for a data request that needed a flush, completes it twice: once with its data
+ * (emitted then) and once empty, at its own sector, when the sequence ends; that second
+ * completion finds no entry and is ignored. An empty PREFLUSH write (what fsync sends) never
+ * reaches the device: it is only completed, empty and without a position (sector 0), after
+ * the device flush it waited for, which is traced as a flush. The kernel counts it as a write
+ * of 0 bytes, and so does kvprof. */
 TRACEPOINT_PROBE(block, block_rq_complete)
 {
     u32 dev = args->dev;
@@ -124,21 +131,45 @@ TRACEPOINT_PROBE(block, block_rq_complete)
         return 0;
     struct block_key k = {};
     k.dev = dev;
-    k.sector = args->sector;
+    /* Insert/issue report a request without a position (a flush) as sector 0, completion
+     * as (sector_t)-1. */
+    k.sector = args->sector == (u64)-1 ? 0 : args->sector;
+    u64 now = bpf_ktime_get_ns();
+    struct kvprof_io e = {};
     struct block_start *v = block_start_map.lookup(&k);
     if (!v) {
-        kvprof_count(KVPROF_LOST_BLOCK_UNMATCHED);
+        if (args->nr_sector != 0) {
+            kvprof_count(KVPROF_LOST_BLOCK_UNMATCHED);
+            return 0;
+        }
+#if defined(KVPROF_FILTER_TGID) || defined(KVPROF_FILTER_CGROUP)
+        /* Completion runs in interrupt context: no task to filter on, so leave it out. */
+        return 0;
+#endif
+        if (k.sector != 0)
+            return 0;
+        u16 fl = 0;
+        parse_rwbs(args->rwbs, &e.op, &fl);
+        if (e.op != KVPROF_OP_WRITE)
+            return 0;
+        e.flags = fl;
+        e.issue_ns = now;
+        e.complete_ns = now;
+        e.sector = k.sector;
+        e.dev = dev;
+        e.error = args->error;
+        e.layer = KVPROF_LAYER_BLOCK;
+        kvprof_emit(&e);
         return 0;
     }
     if (v->flags & KVPROF_FL_FILTERED) {
         block_start_map.delete(&k);
         return 0;
     }
-    struct kvprof_io e = {};
     e.insert_ns = v->insert_ns;
     e.issue_ns = v->issue_ns ? v->issue_ns : v->insert_ns;
-    e.complete_ns = bpf_ktime_get_ns();
-    e.sector = args->sector;
+    e.complete_ns = now;
+    e.sector = k.sector;
     e.cgroup_id = v->cgroup_id;
     e.bytes = v->bytes;
     e.dev = dev;

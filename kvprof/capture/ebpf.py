@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import schema
+from kvprof.capture.ringbuf import RingReader
 from kvprof.devices import Device, by_number
 from kvprof.errors import EX_UNAVAILABLE, KvprofError
 
@@ -98,28 +99,13 @@ class Capture:
         except Exception as e:  # noqa: BLE001 - bcc raises bare Exception on compile/load
             raise KvprofError(f"loading the BPF probes failed: {e}", EX_UNAVAILABLE) from None
         self._fill_filters()
-        self._chunks: list[bytes] = []
-        self._lock = threading.Lock()
+        self._batches: list[np.ndarray] = []
         self._stop = threading.Event()
         self._dev_names: dict[int, Device] = {d.kernel_dev: d for d in filters.devices}
         self.events_total = 0
-        # A raw ctypes callback, bypassing bcc's Python wrapper, roughly doubles drain speed
-        # (perf.md); it must return 0.
-        from bcc.table import _RINGBUF_CB_TYPE  # type: ignore[import-not-found]
-
-        size = EVENT_DTYPE.itemsize
-        append = self._pending_append
-
-        def on_event(_ctx, data, _size):
-            append(ctypes.string_at(data, size))
-            return 0
-
-        self._cb = _RINGBUF_CB_TYPE(on_event)
-        self.bpf._open_ring_buffer(self.bpf["events"].map_fd, self._cb, None)
+        events = self.bpf["events"]
+        self._ring = RingReader(events.map_fd, int(events.max_entries), EVENT_DTYPE)
         self._thread = threading.Thread(target=self._drain_loop, name="kvprof-drain", daemon=True)
-
-    def _pending_append(self, raw: bytes) -> None:
-        self._chunks.append(raw)
 
     def _fill_filters(self) -> None:
         one = ctypes.c_uint8(1)
@@ -139,10 +125,14 @@ class Capture:
     def start(self) -> None:
         self._thread.start()
 
+    def _drain(self) -> None:
+        ev = self._ring.drain()
+        if len(ev):
+            self._batches.append(ev)
+
     def _drain_loop(self) -> None:
-        consume = self.bpf.ring_buffer_consume
         while not self._stop.is_set():
-            consume()
+            self._drain()
             time.sleep(DRAIN_INTERVAL_S)
 
     def stop(self) -> None:
@@ -152,8 +142,9 @@ class Capture:
             self._thread.join()
         # Let in-flight requests complete so their events are emitted before detaching.
         time.sleep(0.05)
-        self.bpf.ring_buffer_consume()
+        self._drain()
         self._lost_final = self.lost()
+        self._ring.close()
         self.bpf.cleanup()
 
     def lost(self) -> dict[str, int]:
@@ -166,11 +157,11 @@ class Capture:
         return out
 
     def take(self) -> pa.RecordBatch | None:
-        # Swapping the list is atomic under the GIL; the callback appends to the new one.
-        chunks, self._chunks = self._chunks, []
-        if not chunks:
+        # Swapping the list is atomic under the GIL; the drain thread appends to the new one.
+        batches, self._batches = self._batches, []
+        if not batches:
             return None
-        ev = np.frombuffer(b"".join(chunks), dtype=EVENT_DTYPE)
+        ev = np.concatenate(batches)
         self.events_total += len(ev)
         return self.to_batch(ev)
 
