@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import sys
@@ -19,7 +20,7 @@ from kvprof import __version__, system
 from kvprof.devices import Device, resolve
 from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.markers import socket_path
-from kvprof.store import Store
+from kvprof.store import DB_FILE, Store
 
 FLUSH_INTERVAL_S = 0.25
 
@@ -33,7 +34,6 @@ class RecordOptions:
     layers: tuple[str, ...] = ("block", "io_uring")
     duration_s: float | None = None
     socket: str | None = None
-    ringbuf_pages: int = 1024
 
 
 def default_out() -> Path:
@@ -100,6 +100,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
     # Claim the marker socket first: a second recorder on the same socket fails before it
     # leaves an empty session behind.
     marks = MarkServer(socket_path(opts.socket))
+    fresh_dir = not out.exists()
     try:
         store = Store.create(out)
     except BaseException:
@@ -108,7 +109,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
     capture = None
     try:
         marks.start()
-        capture = Capture(opts.layers, filters, opts.ringbuf_pages)
+        capture = Capture(opts.layers, filters)
         start_ns = time.monotonic_ns()
         offset = time.time_ns() - time.monotonic_ns()
         row = {
@@ -162,6 +163,11 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             capture.stop()
         store.close()
         flag.restore()
+        if capture is None:
+            # The probes never attached: there is nothing to keep, only an empty store.
+            (out / DB_FILE).unlink(missing_ok=True)
+            if fresh_dir:
+                shutil.rmtree(out, ignore_errors=True)
 
 
 def _devices_json(devs: tuple[Device, ...]) -> str:

@@ -53,7 +53,6 @@ struct kvprof_io {
     char comm[16];
 };
 
-BPF_RINGBUF_OUTPUT(events, KVPROF_RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(counters, u64, KVPROF_NCOUNTERS);
 
 /* Filters are maps filled from user space; the defines only switch the checks on, so no
@@ -98,8 +97,12 @@ static __always_inline int kvprof_task_allowed(u32 tgid)
     return 1;
 }
 
-/* No wake-up per event: user space drains on a timer, which costs far less under
- * virtualisation (see shared/reference/perf.md). */
+/* Events go to user space through a ring buffer drained on a timer, without a wake-up per
+ * event (wake-ups cost ~8 us each under virtualisation; see shared/reference/perf.md).
+ * Probes never nest: the kernel skips a tracepoint program while another runs on the same
+ * CPU, and capture reads those skips from the programs' recursion_misses. */
+BPF_RINGBUF_OUTPUT(events, KVPROF_RINGBUF_PAGES);
+
 static __always_inline void kvprof_emit(struct kvprof_io *e)
 {
     if (events.ringbuf_output(e, sizeof(*e), BPF_RB_NO_WAKEUP) != 0)
