@@ -102,3 +102,31 @@ def test_second_recorder_on_same_socket_is_refused(start_recorder, tmp_path, loo
     assert r.returncode == errors.EX_USAGE
     assert "already listening" in one_line_error(r)
     assert rec.stop() == 0
+
+
+def test_missing_bcc_names_the_package_to_install():
+    import subprocess
+    import sys
+
+    # A venv that cannot see the OS's dist-packages and has no bcc of its own.
+    code = ("import sys; sys.path[:] = [p for p in sys.path if 'dist-packages' not in p]\n"
+            "import kvprof.capture.bccload as b; b.SYSTEM_DIRS = ()\n"
+            "from kvprof.errors import KvprofError\n"
+            "try:\n    b.load_bcc()\nexcept KvprofError as e:\n"
+            "    print(e.exit_code, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.startswith(f"{errors.EX_UNAVAILABLE} ")
+    assert "apt-get install python3-bpfcc" in out
+
+
+def test_doctor_prints_one_line_per_check():
+    r = run_kvprof("doctor")
+    names = [line.split()[1] for line in r.stdout.splitlines() if line[:4] in ("ok  ", "FAIL", "warn")]
+    assert names == ["privilege", "tracefs", "tracepoints:block", "tracepoints:io_uring", "bcc",
+                     "kernel", "nvml"]
+    failed = [line for line in r.stdout.splitlines() if line.startswith("FAIL")]
+    assert r.returncode == (1 if failed else 0)
+    for i, line in enumerate(r.stdout.splitlines()):
+        if line.startswith("FAIL"):
+            assert "fix:" in r.stdout.splitlines()[i + 1]
