@@ -33,6 +33,12 @@ def _record_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, help="stop after this many seconds")
     p.add_argument("--socket", help="marker socket path (default: $KVPROF_SOCKET or "
                                     "/run/kvprof/marks.sock)")
+    p.add_argument("--phases", dest="phase_sources", action="append", default=[],
+                   metavar="SOURCE[=TARGET]",
+                   help="phase source, repeatable: marks, vllm-plugin, vllm-metrics=URL, "
+                        "vllm-kv-events=ENDPOINT, sglang-fpm=ENDPOINT, sglang-metrics=URL, "
+                        "tgi-metrics=URL, nvml, auto (default: auto = discover running "
+                        "engines and GPUs; marks are always received)")
     p.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -77,7 +83,7 @@ def cmd_record(args) -> int:
 
     opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
                          cgroups=args.cgroup, layers=tuple(args.layer or ("block", "io_uring")),
-                         duration_s=args.duration, socket=args.socket)
+                         duration_s=args.duration, socket=args.socket, phases=args.phase_sources)
     if args.ebpf:
         from kvprof.capture.ebpf import build_program
 

@@ -163,6 +163,9 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
             "devices": [d["name"] for d in info.devices],
             "lost_events": sum(lost.values()),
             "lost_by_reason": lost,
+            "phase_sources": ["marks", *(s["source"] for s in info.sources)],
+            "source_problems": {s["source"]: s["problems"] for s in info.sources
+                                if s["problems"]},
         },
         "phases": phases,
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import duckdb
+import pyarrow.parquet as pq
 
 from kvprof import schema
 from kvprof.errors import EX_USAGE, KvprofError
@@ -15,13 +16,20 @@ def export_parquet(con: duckdb.DuckDBPyConnection, out_dir: str | Path) -> list[
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise KvprofError(f"cannot create {out}: {e.strerror}", EX_USAGE) from None
+    present = {r[0] for r in con.execute(
+        "SELECT table_name FROM information_schema.tables").fetchall()}
     written = []
-    for table in schema.TABLES:
+    for table, sch in schema.TABLES.items():
         path = out / f"{table}.parquet"
-        cols = ", ".join(f'"{f.name}"' for f in schema.TABLES[table])
-        # Path goes in as a parameter-free literal: quote it the SQL way.
-        literal = "'" + str(path).replace("'", "''") + "'"
-        con.execute(f"COPY (SELECT {cols} FROM {table}) TO {literal} "
-                    "(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 1048576)")
+        if table not in present:
+            # A session recorded before this table existed: an empty file with the columns,
+            # so every export has the same set of files.
+            pq.write_table(sch.empty_table(), path, compression="zstd")
+        else:
+            cols = ", ".join(f'"{f.name}"' for f in sch)
+            # Path goes in as a parameter-free literal: quote it the SQL way.
+            literal = "'" + str(path).replace("'", "''") + "'"
+            con.execute(f"COPY (SELECT {cols} FROM {table}) TO {literal} "
+                        "(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 1048576)")
         written.append(path)
     return written

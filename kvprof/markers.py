@@ -28,6 +28,17 @@ MAX_DATAGRAM = 4096
 PHASES = ("prefill", "decode", "mixed", "idle")
 
 
+def step_phase(prefill_tokens: int, decode_tokens: int) -> str:
+    """A step's label: mixed when it carries both (chunked prefill), else the side it has."""
+    if prefill_tokens and decode_tokens:
+        return "mixed"
+    if prefill_tokens:
+        return "prefill"
+    if decode_tokens:
+        return "decode"
+    return "idle"
+
+
 def socket_path(path: str | None = None) -> str:
     return path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
 

@@ -20,6 +20,7 @@ from kvprof import __version__, system
 from kvprof.devices import Device, resolve
 from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.markers import socket_path
+from kvprof.phases import registry
 from kvprof.store import DB_FILE, Store
 
 FLUSH_INTERVAL_S = 0.25
@@ -34,6 +35,7 @@ class RecordOptions:
     layers: tuple[str, ...] = ("block", "io_uring")
     duration_s: float | None = None
     socket: str | None = None
+    phases: list[str] = field(default_factory=list)  # --phases specs; empty = auto
 
 
 def default_out() -> Path:
@@ -107,8 +109,16 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         marks.stop(time.monotonic_ns())
         raise
     capture = None
+    sources: list = []
     try:
         marks.start()
+        for spec in registry.resolve_specs(opts.phases, log):
+            try:
+                sources.append((spec, registry.build(spec)))
+            except KvprofError as e:
+                if opts.phases:  # asked for by name: say so and stop
+                    raise
+                log(f"kvprof: phase source {spec} not used: {e}")
         capture = Capture(opts.layers, filters)
         start_ns = time.monotonic_ns()
         offset = time.time_ns() - time.monotonic_ns()
@@ -125,12 +135,16 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             "devices": _devices_json(filters.devices),
             "config": json.dumps({"layers": list(opts.layers), "devices": opts.devices,
                                   "pids": opts.pids, "cgroups": opts.cgroups,
-                                  "socket": str(marks.path), "phase_sources": ["marks"]}),
+                                  "socket": str(marks.path),
+                                  "phase_sources": ["marks", *(str(sp) for sp, _ in sources)]}),
             "lost": "{}",
+            "sources": "[]",
             "status": "recording",
         }
         store.write_session(row)
         capture.start()
+        for _, src in sources:
+            src.start()
         what = ", ".join(d.name for d in filters.devices) or "all block devices"
         log(f"Tracing {'+'.join(opts.layers)} I/O on {what}; marks on {marks.path}; "
             f"session {out}. Hit Ctrl-C to end.")
@@ -142,14 +156,21 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             if stop.wait(timeout) or (deadline is not None and time.monotonic() >= deadline):
                 break
             store.append("io", capture.take())
-            store.append("phase", marks.take())
+            for src in (marks, *(s for _, s in sources)):
+                for table, rows in src.take().items():
+                    store.append(table, rows)
         capture.stop()
         end_ns = time.monotonic_ns()
-        marks.stop(end_ns)
+        for src in (marks, *(s for _, s in sources)):
+            src.stop(end_ns)
         store.append("io", capture.take())
-        store.append("phase", marks.take())
+        for src in (marks, *(s for _, s in sources)):
+            for table, rows in src.take().items():
+                store.append(table, rows)
         lost = capture.lost() | marks.counts()
         row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
+                   sources=json.dumps([{"source": str(sp), **_status(src)}
+                                       for sp, src in sources]),
                    devices=_devices_json(filters.devices or tuple(capture.seen_devices())))
         store.write_session(row)
         log(f"Recorded {capture.events_total} I/Os in {(end_ns - start_ns) / 1e9:.1f} s; "
@@ -161,6 +182,9 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             marks.stop(time.monotonic_ns())
         if capture is not None and not capture._stop.is_set():
             capture.stop()
+        for _, src in sources:
+            if not src.stopping:
+                src.stop(time.monotonic_ns())
         store.close()
         flag.restore()
         if capture is None:
@@ -168,6 +192,11 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             (out / DB_FILE).unlink(missing_ok=True)
             if fresh_dir:
                 shutil.rmtree(out, ignore_errors=True)
+
+
+def _status(src) -> dict:
+    """What went wrong with a phase source, for the session row."""
+    return {"problems": src.counts(), "last_error": src.last_error}
 
 
 def _devices_json(devs: tuple[Device, ...]) -> str:

@@ -86,6 +86,10 @@ def to_text(summary: dict, name: str = "") -> str:
         if devs:
             idle = "  ".join(f"{d} {_pct(v['time_idle_pct'])}" for d, v in devs.items())
             lines.append(f"  block time idle: {idle}"[:WIDTH])
+    lines.insert(3, "phase sources: " + ", ".join(s["phase_sources"]))
+    for src, problems in s["source_problems"].items():
+        lines.insert(4, f"  {src}: " + ", ".join(f"{k.split('.', 1)[-1]} {v}"
+                                                for k, v in problems.items()))
     if s["lost_events"]:
         lines += ["", "lost: " + ", ".join(f"{k} {v}" for k, v in s["lost_by_reason"].items()
                                             if v)]

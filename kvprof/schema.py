@@ -86,11 +86,62 @@ SESSION = pa.schema(
         ("config", pa.string()),
         # JSON: {reason: count} of events lost; the reasons are documented in the README.
         ("lost", pa.string()),
+        # JSON: [{"source", "problems": {kind: count}, "last_error"}] per phase source.
+        ("sources", pa.string()),
         ("status", pa.string()),
     ]
 )
 
-TABLES = {"io": IO, "phase": PHASE, "session": SESSION}
+GPU = pa.schema(
+    [
+        # Session clock (CLOCK_MONOTONIC ns), converted from NVML's wall-clock microseconds.
+        ("ts_ns", pa.int64()),
+        ("gpu", pa.int32()),
+        ("uuid", pa.string()),
+        # Percentages 0..100; NULL where the GPU does not support the field.
+        ("gpu_util_pct", pa.float64()),
+        ("mem_util_pct", pa.float64()),
+        ("sm_active_pct", pa.float64()),
+        ("tensor_active_pct", pa.float64()),
+        ("dram_bw_util_pct", pa.float64()),
+        ("power_w", pa.float64()),
+        ("pcie_rx_bytes_per_s", pa.float64()),
+        ("pcie_tx_bytes_per_s", pa.float64()),
+        # JSON {pid: sm_util_pct} from per-process utilisation (host PIDs, as eBPF sees them).
+        ("process_util", pa.string()),
+    ]
+)
+
+# Engine KV-cache events (vLLM/SGLang ZMQ KV events): what the engine says it stored or removed.
+KV_EVENT = pa.schema(
+    [
+        ("ts_ns", pa.int64()),
+        ("engine", pa.string()),
+        ("kind", pa.string()),  # stored, removed, all_cleared
+        ("medium", pa.string()),  # GPU, CPU, STORAGE, or NULL when the engine does not say
+        ("blocks", pa.int32()),
+        ("block_size", pa.int32()),  # tokens per block, when known
+        ("seq", pa.int64()),
+    ]
+)
+
+# Engine-side counters scraped beside the phases (e.g. vllm:kv_offload_* bytes), so reports can
+# set what the engine claims next to what the kernel saw. One row per sample and series.
+ENGINE_METRIC = pa.schema(
+    [
+        ("ts_ns", pa.int64()),
+        ("engine", pa.string()),
+        ("name", pa.string()),
+        ("labels", pa.string()),  # JSON object
+        ("value", pa.float64()),
+    ]
+)
+
+# Every session has these; the others came later and are absent from older recordings.
+CORE_TABLES = ("io", "phase", "session")
+
+TABLES = {"io": IO, "phase": PHASE, "session": SESSION, "gpu": GPU, "kv_event": KV_EVENT,
+          "engine_metric": ENGINE_METRIC}
 
 _DUCK = {
     pa.string(): "VARCHAR",

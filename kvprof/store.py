@@ -75,6 +75,7 @@ class SessionInfo:
     config: dict
     lost: dict
     status: str
+    sources: list
 
     @property
     def duration_s(self) -> float:
@@ -94,7 +95,7 @@ def open_session(session: str | Path) -> duckdb.DuckDBPyConnection:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise KvprofError(f"{path} is not a readable kvprof session: {first}",
                           EX_DATAERR) from None
-    missing = set(schema.TABLES) - tables
+    missing = set(schema.CORE_TABLES) - tables
     if missing:
         con.close()
         raise KvprofError(f"{path} is not a kvprof session (missing tables: "
@@ -120,4 +121,4 @@ def session_info(con: duckdb.DuckDBPyConnection) -> SessionInfo:
         start_wall_ns=r["start_wall_ns"], start_ns=r["start_ns"], end_ns=end,
         clock_offset_ns=r["clock_offset_ns"], devices=json.loads(r["devices"] or "[]"),
         config=json.loads(r["config"] or "{}"), lost=json.loads(r["lost"] or "{}"),
-        status=r["status"])
+        status=r["status"], sources=json.loads(r.get("sources") or "[]"))

@@ -18,9 +18,10 @@ def test_core_imports_no_capture_or_ui_libraries():
     assert not {"bcc", "pynvml", "textual"} & mods
 
 
-def test_marker_client_imports_only_the_standard_library():
-    code = "import sys; import kvprof.markers; print(' '.join(sorted(sys.modules)))"
+def test_marker_client_and_vllm_plugin_import_only_the_standard_library():
+    code = ("import sys; import kvprof.markers, kvprof.phases.vllm_plugin; "
+            "print(' '.join(sorted(sys.modules)))")
     mods = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                           text=True).stdout.split()
-    heavy = {"duckdb", "pyarrow", "numpy", "bcc", "pynvml", "textual"}
+    heavy = {"duckdb", "pyarrow", "numpy", "bcc", "pynvml", "textual", "zmq", "msgpack"}
     assert not heavy & set(mods)

@@ -138,7 +138,7 @@ def test_time_idle_matches_io_ticks(loopdev, start_recorder):
     marker.mark("decode", ts_ns=t_a)
     # ~2 s of back-to-back sequential reads (always something in flight), then ~2 s idle.
     subprocess.run(["fio", "--name=seq", f"--filename=/dev/{loopdev}", "--rw=read",
-                    "--bs=128k", "--direct=1", "--ioengine=io_uring", "--iodepth=16",
+                    "--bs=128k", "--direct=1", "--ioengine=io_uring", "--iodepth=16", "--numjobs=2",
                     "--time_based", "--runtime=2", "--size=200M", "--output=/dev/null"],
                    check=True)
     time.sleep(2)
@@ -248,7 +248,8 @@ def test_export_reads_back_with_pyarrow_and_duckdb(loopdev, start_recorder, tmp_
         assert t.schema.names == sch.names
         assert [f.type for f in t.schema] == [f.type for f in sch]
         n = store.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0]
-        assert t.num_rows == n > 0
+        assert t.num_rows == n
+        assert n > 0 or table not in ("io", "phase", "session")
         path = str(out / f"{table}.parquet")
         diff = store.execute(f"SELECT count(*) FROM (SELECT * FROM {table} EXCEPT ALL "
                          f"SELECT * FROM read_parquet('{path}'))").fetchall()[0][0]

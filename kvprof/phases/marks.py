@@ -184,9 +184,10 @@ class MarkServer:
             except ValueError:
                 self.malformed += 1
 
-    def take(self) -> pa.Table | None:
+    def take(self) -> dict[str, pa.Table]:
         with self._lock:
-            return self.builder.take()
+            rows = self.builder.take()
+        return {"phase": rows} if rows is not None else {}
 
     def counts(self) -> dict[str, int]:
         with self._lock:
