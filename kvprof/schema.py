@@ -94,7 +94,7 @@ SESSION = pa.schema(
 
 GPU = pa.schema(
     [
-        # Session clock (CLOCK_MONOTONIC ns), converted from NVML's wall-clock microseconds.
+        # Session clock: CLOCK_MONOTONIC ns taken when the sample was read.
         ("ts_ns", pa.int64()),
         ("gpu", pa.int32()),
         ("uuid", pa.string()),
