@@ -169,3 +169,11 @@ def start_recorder(tmp_path):
         if rec.proc.poll() is None:
             rec.proc.kill()
             rec.proc.wait()
+
+
+def assert_kernel_count(ours: int, kernel: int, report: dict) -> None:
+    """kvprof's count equals the kernel's, except for events kvprof itself reports as lost
+    (e.g. a completion probe the kernel skipped because another BPF program ran on that CPU,
+    which happens a few times per million events). Unaccounted differences fail."""
+    lost = report["session"]["lost_events"]
+    assert 0 <= kernel - ours <= lost, (ours, kernel, report["session"]["lost_by_reason"])

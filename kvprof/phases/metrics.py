@@ -1,0 +1,694 @@
+"""Phase windows from a serving engine's Prometheus `/metrics`, scraped at 10 Hz.
+
+Each scrape is stamped with CLOCK_MONOTONIC when its body has been read. Between two
+consecutive scrapes, the interval [previous stamp, this stamp) is labelled from how far the
+engine's prefill and decode counters moved in it (`step_phase`: prefill, decode, mixed, or
+quiet). Consecutive intervals with the same label merge into one window (end extended, token
+counts summed); a quiet interval closes the window. So every window edge is within one scrape
+interval (0.1 s) of the moment the counters say the phase began or ended: the counters, not
+the compute. Rows carry source "metrics" and a confidence: the duration-weighted mean of 1.0
+for counted intervals, 0.5 for time inferred from a busy gauge (below) and 0.25 for SGLang's
+request-level fallback.
+
+Engine names (the `engine` column): `<kind>:<model>#<rank>`, e.g. `vllm:Qwen/Qwen3-8B#0`
+(vLLM's `engine` label, the DP rank), `sglang:<model_name>#<dp_rank>` (no `#` without DP),
+`tgi:<host:port>` (TGI's metrics name no model). `engine=` replaces the `<kind>:<model>`
+part; the rank suffix stays, so the windows of two DP ranks never merge.
+
+What the engines' counters can and cannot say:
+
+* vLLM (`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, per model_name and engine):
+  the prompt counter moves when a request's prefill *completes* (the step that produces its
+  first token), not per chunk; intermediate chunks of a chunked prefill add nothing. Prefill
+  windows therefore lag the compute. Two corrections, both from vLLM's own metrics:
+  the first token of each request is counted as a generation token in the step that finishes
+  its prefill, so decode tokens = Δgeneration - Δ`vllm:time_to_first_token_seconds_count`
+  (one observation per first token, recorded in the same step); without this a pure prefill
+  burst would read "mixed". And when `vllm:num_requests_running` > 0 while no counter moves
+  (every running request is still prefilling, or one step outlasts a scrape interval),
+  the quiet span is held; if the next counted
+  interval is prefill, the prefill window starts where the span started (confidence 0.5 for
+  that part); if it continues the window that was open, the span bridges it; otherwise it
+  is a gap. `vllm:iteration_tokens_total` is not used: it observes only what the token
+  counters already hold, once per output batch. Every `vllm:kv_offload_*` and
+  `vllm:simple_kv_offload_*` sample is also written to the `engine_metric` table whenever
+  its value changed (e.g. `vllm:kv_offload_tiering_read_bytes_total{tier=...}`, the
+  deprecated `vllm:kv_offload_total_bytes_total{transfer_type=...}`).
+* SGLang: `sglang:realtime_tokens_total{mode=prefill_compute|prefill_cache|decode}` moves per
+  batch (prefill after each prefill batch, decode every decode iteration). Series of one
+  dp_rank that differ only in tp_rank/pp_rank/moe_ep_rank/engine_type count the same batch
+  when metrics are on for all schedulers, so they are combined by maximum, not sum. Without
+  realtime counters (older SGLang) `sglang:prompt_tokens_total`/`generation_tokens_total`
+  are used, but SGLang increments both when a request *finishes*: those windows mark request
+  completions, usually read "mixed", and carry confidence 0.25. HiCache byte and token
+  counters (`sglang:hicache_*`, `sglang:load_back_*`, ...) go to `engine_metric`.
+* TGI: the prefill/decode split comes from Δ`tgi_batch_forward_duration_count{method=...}`
+  (else `tgi_batch_inference_count`), i.e. batch calls, so token counts are NULL; both moving
+  in one interval reads "mixed". The counts move when a call returns, so the
+  `tgi_batch_current_size` gauge plays the part vLLM's running gauge plays. The launcher's
+  exporter listens on `--prometheus-port` (default 9000, `/metrics`); the router also serves
+  the same metrics on its API port at `/metrics` (e.g. http://127.0.0.1:3000/metrics).
+
+Failures never stop the recording: an unreachable endpoint, an HTTP error, or a body that
+is not Prometheus text is counted (`unreachable`, `http_error`, `bad_exposition`,
+`too_large`), the open windows end at the last good scrape, the next scrape after it only
+sets a new baseline, and retries back off to `max_retry_s`. Counters that go backwards
+(engine restart) count `counter_reset` and reset the baseline; that interval gets no window.
+An endpoint without the engine's metrics counts `missing_metrics` once per absence.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvprof.errors import EX_USAGE, KvprofError
+from kvprof.phases.base import PhaseSource, phase_row, step_phase
+
+# -- Prometheus text exposition ------------------------------------------------------------
+
+
+class Sample(NamedTuple):
+    name: str
+    labels: dict[str, str]
+    value: float
+
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+# Go's ParseFloat spellings that exporters actually write; float() alone would also take
+# "1_000" or "infinity", which no exporter writes and which only a wrong page would hold.
+_VALUE = re.compile(r"[+-]?(?:Inf|inf|NaN|nan|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)")
+_TIMESTAMP = re.compile(r"-?\d+(?:\.\d+)?")
+_PLAIN = re.compile(r'[^"\\]*')
+_BLANKS = " \t"
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
+
+
+def _skip(line: str, pos: int) -> int:
+    while pos < len(line) and line[pos] in _BLANKS:
+        pos += 1
+    return pos
+
+
+def _quoted(line: str, pos: int) -> tuple[str, int]:
+    """The string that starts with the quote at pos, unescaped, and the position after it."""
+    parts = []
+    pos += 1
+    while True:
+        m = _PLAIN.match(line, pos)
+        parts.append(m.group())
+        pos = m.end()
+        if pos >= len(line):
+            raise ValueError("unterminated string")
+        if line[pos] == '"':
+            return "".join(parts), pos + 1
+        if pos + 1 >= len(line):
+            raise ValueError("unterminated string")
+        nxt = line[pos + 1]
+        # Unknown escapes are kept as written, as Prometheus itself does.
+        parts.append(_ESCAPES.get(nxt, "\\" + nxt))
+        pos += 2
+
+
+def _labels(line: str, pos: int, want_name: bool) -> tuple[str | None, dict[str, str], int]:
+    """Parse from just after '{' to just after '}'. Prometheus 3 may quote a UTF-8 metric
+    name as the first item inside the braces; want_name allows that."""
+    labels: dict[str, str] = {}
+    name = None
+    first = True
+    while True:
+        pos = _skip(line, pos)
+        if pos >= len(line):
+            raise ValueError("unterminated label set")
+        if line[pos] == "}":
+            return name, labels, pos + 1
+        if line[pos] == '"':
+            key, pos = _quoted(line, pos)
+            quoted = True
+        else:
+            m = _LABEL_NAME.match(line, pos)
+            if not m:
+                raise ValueError(f"bad label name at column {pos + 1}")
+            key, pos = m.group(), m.end()
+            quoted = False
+        pos = _skip(line, pos)
+        if pos < len(line) and line[pos] == "=":
+            pos = _skip(line, pos + 1)
+            if pos >= len(line) or line[pos] != '"':
+                raise ValueError(f"label {key!r} has no quoted value")
+            value, pos = _quoted(line, pos)
+            if key in labels:
+                raise ValueError(f"duplicate label {key!r}")
+            labels[key] = value
+        elif want_name and first and quoted:
+            name = key
+        else:
+            raise ValueError(f"expected '=' after {key!r}")
+        first = False
+        pos = _skip(line, pos)
+        if pos < len(line) and line[pos] == ",":
+            pos += 1
+        elif pos >= len(line) or line[pos] != "}":
+            raise ValueError(f"expected ',' or '}}' at column {pos + 1}")
+
+
+def _sample(line: str) -> Sample:
+    m = _METRIC_NAME.match(line)
+    name = m.group() if m else None
+    pos = m.end() if m else 0
+    labels: dict[str, str] = {}
+    brace = _skip(line, pos)
+    if brace < len(line) and line[brace] == "{":
+        inner, labels, pos = _labels(line, brace + 1, want_name=name is None)
+        name = name or inner
+    if not name:
+        raise ValueError("no metric name")
+    if pos >= len(line) or line[pos] not in _BLANKS:
+        raise ValueError(f"{name}: no value")
+    fields = line[pos:].split()
+    if not _VALUE.fullmatch(fields[0]):
+        raise ValueError(f"{name}: bad value {fields[0][:20]!r}")
+    rest = fields[1:]
+    if rest and rest[0] != "#":  # an optional timestamp, then perhaps an OpenMetrics exemplar
+        if not _TIMESTAMP.fullmatch(rest[0]):
+            raise ValueError(f"{name}: bad timestamp {rest[0][:20]!r}")
+        rest = rest[1:]
+    if rest and rest[0] != "#":
+        raise ValueError(f"{name}: trailing text")
+    return Sample(name, labels, float(fields[0]))
+
+
+# The common line, checked whole by one regex: a bare name, plain labels, a value, perhaps a
+# timestamp. Scraping a large endpoint 10 times a second makes the per-character parser too
+# slow to run on every line; it handles what this does not match (and says what is wrong).
+_LABEL_PAIR = r'[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*(?:\\.[^"\\\n]*)*"'
+_FAST_LINE = re.compile(
+    rf"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{{((?:{_LABEL_PAIR}(?:,{_LABEL_PAIR})*,?)?)\}})?"
+    rf"[ \t]+({_VALUE.pattern})"
+    rf"(?:[ \t]+{_TIMESTAMP.pattern})?")
+_FAST_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"\\]*(?:\\.[^"\\]*)*)"')
+_UNESCAPE = re.compile(r"\\(.)")
+
+
+def _unescape(value: str) -> str:
+    if "\\" not in value:
+        return value
+    return _UNESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), m.group()), value)
+
+
+def parse_exposition(text: str, keep: Callable[[str], bool] | None = None) -> list[Sample]:
+    """Samples of Prometheus text exposition (0.0.4, also the OpenMetrics subset that
+    exporters write). Comments, HELP and TYPE lines are skipped; ValueError names the first
+    line that is not exposition, e.g. an HTML page. `keep(name)`, when given, picks the
+    samples to return; every line is still checked."""
+    samples = []
+    for lineno, raw in enumerate(text.split("\n"), 1):
+        line = raw.strip(" \t\r")
+        if not line or line[0] == "#":
+            continue
+        m = _FAST_LINE.fullmatch(line)
+        if m is not None:
+            name = m.group(1)
+            if keep is None or keep(name):
+                pairs = _FAST_PAIR.findall(m.group(2)) if m.group(2) else ()
+                labels = {k: _unescape(v) for k, v in pairs}
+                if len(labels) != len(pairs):
+                    raise ValueError(f"line {lineno}: {name}: duplicate label")
+                samples.append(Sample(name, labels, float(m.group(3))))
+            continue
+        try:
+            s = _sample(line)
+        except ValueError as e:
+            raise ValueError(f"line {lineno}: {e}: {line[:60]!r}") from None
+        if keep is None or keep(s.name):
+            samples.append(s)
+    return samples
+
+
+# -- windows from counter intervals --------------------------------------------------------
+
+# Confidence of time inferred from a busy gauge rather than counted.
+INFERRED_CONFIDENCE = 0.5
+
+
+@dataclass
+class _Window:
+    phase: str
+    start_ns: int
+    end_ns: int
+    prefill: int = 0
+    decode: int = 0
+    weighted_ns: float = 0.0  # sum of confidence x duration, for the duration-weighted mean
+    counted: bool = False  # False: all of it inferred, so its token counts are unknown
+
+
+class WindowTrack:
+    """The windows of one engine, fed consecutive scrape intervals. Not thread-safe.
+
+    `step()` and `close()` return finished phase rows. A busy-but-quiet interval (the engine
+    says work is in flight, no counter moved) is held until the next counted interval says
+    what it was (see the module docstring)."""
+
+    def __init__(self, engine: str, counts_are_tokens: bool = True) -> None:
+        self.engine = engine
+        self.counts_are_tokens = counts_are_tokens
+        self.open: _Window | None = None
+        self.busy_since: int | None = None
+
+    def _row(self, w: _Window) -> dict:
+        tokens = self.counts_are_tokens and w.counted
+        return phase_row(w.start_ns, w.end_ns, w.phase, "metrics", self.engine,
+                         prefill_tokens=w.prefill if tokens else None,
+                         decode_tokens=w.decode if tokens else None,
+                         confidence=round(w.weighted_ns / (w.end_ns - w.start_ns), 6))
+
+    def close(self) -> list[dict]:
+        w, self.open, self.busy_since = self.open, None, None
+        if w is None or w.end_ns <= w.start_ns:
+            return []
+        return [self._row(w)]
+
+    def step(self, t0: int, t1: int, prefill: int, decode: int, busy: bool = False,
+             confidence: float = 1.0) -> list[dict]:
+        phase = step_phase(prefill, decode)
+        out: list[dict] = []
+        if phase == "idle":
+            if busy:
+                if self.busy_since is None:
+                    self.busy_since = t0
+                return out
+            # The window ends where counted work last was, not where the held span began.
+            return self.close()
+        span, self.busy_since = self.busy_since, None
+        if span is not None:
+            inferred = INFERRED_CONFIDENCE * (t0 - span)
+            if self.open is not None and self.open.phase == phase:
+                self.open.end_ns = t0  # the same work went on; the counters just did not tick
+                self.open.weighted_ns += inferred
+            elif phase in ("prefill", "mixed"):
+                # With nothing counted and requests running, they were prefilling (a decode
+                # step would have counted a token); the completion is what finally counts.
+                out += self.close()
+                self.open = _Window("prefill", span, t0, weighted_ns=inferred)
+                if phase == "mixed":
+                    out += self.close()
+            else:
+                out += self.close()
+        if self.open is None or self.open.phase != phase or self.open.end_ns != t0:
+            out += self.close()
+            self.open = _Window(phase, t0, t0)
+        w = self.open
+        w.end_ns = t1
+        w.prefill += prefill
+        w.decode += decode
+        w.weighted_ns += confidence * (t1 - t0)
+        w.counted = True
+        return out
+
+
+# -- the scraper -----------------------------------------------------------------------------
+
+
+@dataclass
+class Reading:
+    """One engine's totals at one scrape: named counters (missing = 0) and whether the
+    engine says work is in flight (None when it has no such gauge)."""
+    counters: dict[str, float] = field(default_factory=dict)
+    busy: bool | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    prefill: int
+    decode: int
+    busy: bool = False
+    confidence: float = 1.0
+
+
+def _engine_name(base: str, rank: str) -> str:
+    return f"{base}#{rank}" if rank else base
+
+
+def check_url(url: str) -> str:
+    """The scrape URL, with /metrics added when only host:port was given."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise KvprofError(f"metrics URL {url!r} is not http(s)://host:port/path", EX_USAGE)
+    if parts.path in ("", "/"):
+        parts = parts._replace(path="/metrics")
+    return urllib.parse.urlunsplit(parts)
+
+
+class _ScrapeFailed(Exception):
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+
+
+class MetricsSource(PhaseSource):
+    """Scrapes one /metrics endpoint and turns counter deltas into phase windows.
+
+    Subclasses say which series count prefill and decode (`read`) and how an interval's
+    deltas split (`split`)."""
+
+    name = "metrics"
+    kind = "engine"
+    default_url = "http://127.0.0.1/metrics"
+    interval_s = 0.1
+    timeout_s = 0.5
+    max_retry_s = 2.0
+    max_body_bytes = 16 << 20
+    counts_are_tokens = True
+    # Samples whose names start with these go to the engine_metric table when they change.
+    engine_metric_prefixes: tuple[str, ...] = ()
+    # The series `read` looks at; only these and the engine_metric ones are kept from a scrape.
+    phase_series: frozenset[str] = frozenset()
+    # Every metric of this engine starts so; an endpoint without any is the wrong one.
+    family_prefix = ""
+    # True where the engine creates its counter series on first use, so that their absence
+    # while it has served nothing is normal and only a missing family is a problem.
+    lazy_series = False
+
+    def __init__(self, url: str | None = None, engine: str | None = None) -> None:
+        super().__init__()
+        self.url = check_url(url or self.default_url)
+        self.engine_override = engine or None
+        # Metrics endpoints are local to the host; an http_proxy meant for the outside
+        # world must not catch them.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._prev_ts: int | None = None
+        self._prev: dict[str, Reading] = {}
+        self._tracks: dict[str, WindowTrack] = {}
+        self._last_values: dict[tuple[str, str], float] = {}
+        self._retry_s = 0.0
+        self._retry_at = 0.0
+        self._missing = False
+        self.scrapes = 0  # successful scrapes, for status lines and tests
+
+    # -- per engine ---------------------------------------------------------------------------
+    def engine_of(self, model: str = "", rank: str = "") -> str:
+        base = self.engine_override or (f"{self.kind}:{model}" if model else self.kind)
+        return _engine_name(base, rank)
+
+    def wants(self, name: str) -> bool:
+        return name in self.phase_series or name.startswith(self.engine_metric_prefixes)
+
+    def read(self, samples: list[Sample]) -> dict[str, Reading]:
+        raise NotImplementedError
+
+    def split(self, delta: dict[str, float], now: Reading) -> Step:
+        raise NotImplementedError
+
+    # -- scraping -------------------------------------------------------------------------------
+    def _fetch(self) -> bytes:
+        req = urllib.request.Request(self.url, headers={
+            # Classic text, not OpenMetrics: prometheus_client serves either on request.
+            "Accept": "text/plain;version=0.0.4;q=1,*/*;q=0.1",
+            "User-Agent": "kvprof"})
+        try:
+            with self._opener.open(req, timeout=self.timeout_s) as resp:
+                body = resp.read(self.max_body_bytes + 1)
+        except urllib.error.HTTPError as e:
+            raise _ScrapeFailed("http_error", f"{self.url}: HTTP {e.code}") from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", None) or e
+            raise _ScrapeFailed("unreachable", f"{self.url}: {reason}") from None
+        except http.client.HTTPException as e:  # a malformed or cut-off response
+            raise _ScrapeFailed("http_error", f"{self.url}: {type(e).__name__} {e}") from None
+        if len(body) > self.max_body_bytes:
+            raise _ScrapeFailed("too_large", f"{self.url}: over {self.max_body_bytes} bytes")
+        return body
+
+    def poll(self) -> None:
+        if time.monotonic() < self._retry_at:
+            return
+        try:
+            body = self._fetch()
+            ts_ns = time.monotonic_ns()  # stamped at receipt: the counters are at most this new
+            try:
+                text = body.decode("utf-8")
+                samples = parse_exposition(text, keep=self.wants)
+            except ValueError as e:  # UnicodeDecodeError is one too
+                raise _ScrapeFailed("bad_exposition", f"{self.url}: {e}") from None
+            # Series created on first use are absent before it, but their HELP/TYPE lines
+            # are there from the start: any mention says this is the engine's endpoint.
+            family = self.family_prefix in text
+        except _ScrapeFailed as e:
+            self._failed(e.kind, str(e))
+            return
+        self._retry_s = 0.0
+        self.scrapes += 1
+        self.ingest(ts_ns, samples, family)
+
+    def _failed(self, kind: str, detail: str) -> None:
+        self.problem(kind, detail)
+        # Nothing is known from the last good scrape on: windows end there, and the next
+        # good scrape is only a baseline, so an outage never becomes one long window.
+        self._end_all()
+        self._prev_ts, self._prev = None, {}
+        self._retry_s = min(self.max_retry_s, max(self.interval_s, self._retry_s * 2))
+        self._retry_at = time.monotonic() + self._retry_s
+
+    def _end_all(self, end_ns: int | None = None) -> None:
+        for track in self._tracks.values():
+            self._emit_rows(track.close(), end_ns)
+
+    def _emit_rows(self, rows: list[dict], end_ns: int | None = None) -> None:
+        for row in rows:
+            if end_ns is not None:
+                if row["start_ns"] >= end_ns:
+                    continue
+                row["end_ns"] = min(row["end_ns"], end_ns)
+            self.emit("phase", row)
+
+    def ingest(self, ts_ns: int, samples: list[Sample], family: bool | None = None) -> None:
+        """Take one scrape's samples, stamped ts_ns (exposed for tests and replays). family:
+        whether the whole scrape had any of the engine's metrics (default: from samples)."""
+        self._record_engine_metrics(ts_ns, samples)
+        readings = {k: r for k, r in self.read(samples).items() if r.counters}
+        if family is None:
+            family = any(s.name.startswith(self.family_prefix) for s in samples)
+        missing = not family or (not readings and not self.lazy_series)
+        if missing and not self._missing:
+            self.problem("missing_metrics", f"{self.url}: no {self.family_prefix}* phase "
+                         f"counters; is this {self.kind}'s /metrics, with metrics on?")
+        self._missing = missing
+        prev_ts, prev = self._prev_ts, self._prev
+        self._prev_ts, self._prev = ts_ns, readings
+        if prev_ts is None:
+            return
+        for engine in set(self._tracks) - set(readings):
+            self._emit_rows(self._tracks.pop(engine).close())
+        for engine, now in readings.items():
+            # A series first seen during a run started at 0 (client libraries create labelled
+            # series on first use); one that vanished reads as 0 and so as a reset.
+            before = prev.get(engine, Reading()).counters
+            delta = {k: now.counters.get(k, 0.0) - before.get(k, 0.0)
+                     for k in set(before) | set(now.counters)}
+            track = self._tracks.get(engine)
+            if track is None:
+                track = self._tracks[engine] = WindowTrack(engine, self.counts_are_tokens)
+            backwards = sorted(k for k, v in delta.items() if v < 0)
+            if backwards:
+                self.problem("counter_reset", f"{engine}: {', '.join(backwards)} went back")
+                self._emit_rows(track.close())
+                continue
+            step = self.split(delta, now)
+            self._emit_rows(track.step(prev_ts, ts_ns, step.prefill, step.decode, step.busy,
+                                       step.confidence))
+
+    def _record_engine_metrics(self, ts_ns: int, samples: list[Sample]) -> None:
+        if not self.engine_metric_prefixes:
+            return
+        seen: dict[tuple[str, str], float] = {}
+        for s in samples:
+            # _created series hold the series' creation time, not a measurement.
+            if not s.name.startswith(self.engine_metric_prefixes) or s.name.endswith("_created"):
+                continue
+            key = (s.name, json.dumps(s.labels, sort_keys=True))
+            last = self._last_values.get(key)
+            same = last is not None and (last == s.value or (math.isnan(last) and
+                                                             math.isnan(s.value)))
+            if not same:
+                self.emit("engine_metric", {"ts_ns": ts_ns, "engine": self.engine_for(s.labels),
+                                            "name": s.name, "labels": key[1],
+                                            "value": s.value})
+            seen[key] = s.value
+        self._last_values = seen
+
+    def engine_for(self, labels: dict[str, str]) -> str:
+        """The engine name of a series, from its labels."""
+        return self.engine_of()
+
+    def close(self, end_ns: int) -> None:
+        # A held busy span has no verdict yet; windows end at the last scrape that saw them.
+        self._end_all(end_ns)
+        self._tracks.clear()
+
+
+def _delta(delta: dict[str, float], key: str) -> int:
+    return round(delta.get(key, 0.0))
+
+
+# -- vLLM -------------------------------------------------------------------------------------
+
+_VLLM_COUNTERS = {
+    "vllm:prompt_tokens_total": "prompt",
+    "vllm:generation_tokens_total": "generation",
+    "vllm:time_to_first_token_seconds_count": "first_tokens",
+}
+
+
+class VllmMetrics(MetricsSource):
+    """vLLM (V1) /metrics: prompt and generation token counters per (model_name, engine)."""
+
+    name = "vllm-metrics"
+    kind = "vllm"
+    default_url = "http://127.0.0.1:8000/metrics"
+    engine_metric_prefixes = ("vllm:kv_offload_", "vllm:simple_kv_offload_")
+    family_prefix = "vllm:"
+    phase_series = frozenset([*_VLLM_COUNTERS, "vllm:num_requests_running"])
+
+    def engine_for(self, labels: dict[str, str]) -> str:
+        return self.engine_of(labels.get("model_name", ""), labels.get("engine", ""))
+
+    def read(self, samples: list[Sample]) -> dict[str, Reading]:
+        out: dict[str, Reading] = {}
+        for s in samples:
+            counter = _VLLM_COUNTERS.get(s.name)
+            if counter is None and s.name != "vllm:num_requests_running":
+                continue
+            r = out.setdefault(self.engine_for(s.labels), Reading())
+            if counter is None:
+                r.busy = bool(r.busy) or s.value > 0
+            else:
+                r.counters[counter] = r.counters.get(counter, 0.0) + s.value
+        # The TTFT count alone says nothing about phases.
+        return {k: r for k, r in out.items()
+                if "prompt" in r.counters or "generation" in r.counters}
+
+    def split(self, delta: dict[str, float], now: Reading) -> Step:
+        decode = _delta(delta, "generation") - _delta(delta, "first_tokens")
+        return Step(_delta(delta, "prompt"), max(0, decode), busy=bool(now.busy))
+
+
+# -- SGLang ------------------------------------------------------------------------------------
+
+_SGLANG_REALTIME = {"prefill_compute": "rt_prefill", "prefill_cache": "rt_prefill",
+                    "decode": "rt_decode"}
+_SGLANG_REQUEST = {"sglang:prompt_tokens_total": "req_prompt",
+                   "sglang:generation_tokens_total": "req_generation"}
+# Labels that tell apart schedulers working on the same batches.
+_SGLANG_REPLICA = ("tp_rank", "pp_rank", "moe_ep_rank", "engine_type")
+FALLBACK_CONFIDENCE = 0.25
+
+
+class SglangMetrics(MetricsSource):
+    """SGLang /metrics (--enable-metrics): realtime token counters per dp_rank."""
+
+    name = "sglang-metrics"
+    kind = "sglang"
+    default_url = "http://127.0.0.1:30000/metrics"
+    engine_metric_prefixes = ("sglang:hicache_", "sglang:load_back_",
+                              "sglang:prefetched_tokens", "sglang:backuped_tokens",
+                              "sglang:storage_")
+    phase_series = frozenset(["sglang:realtime_tokens_total", *_SGLANG_REQUEST])
+    family_prefix = "sglang:"
+    lazy_series = True
+
+    def engine_for(self, labels: dict[str, str]) -> str:
+        return self.engine_of(labels.get("model_name", ""), labels.get("dp_rank", ""))
+
+    def read(self, samples: list[Sample]) -> dict[str, Reading]:
+        # engine -> replica -> counter -> total; summed within a scheduler, max across them.
+        per: dict[str, dict[tuple, dict[str, float]]] = {}
+        for s in samples:
+            if s.name == "sglang:realtime_tokens_total":
+                counter = _SGLANG_REALTIME.get(s.labels.get("mode", ""))
+            else:
+                counter = _SGLANG_REQUEST.get(s.name)
+            if counter is None:
+                continue
+            replica = tuple(s.labels.get(k, "") for k in _SGLANG_REPLICA)
+            totals = per.setdefault(self.engine_for(s.labels), {}).setdefault(replica, {})
+            totals[counter] = totals.get(counter, 0.0) + s.value
+        out = {}
+        for engine, replicas in per.items():
+            r = Reading()
+            for totals in replicas.values():
+                for k, v in totals.items():
+                    r.counters[k] = max(r.counters.get(k, 0.0), v)
+            out[engine] = r
+        return out
+
+    def split(self, delta: dict[str, float], now: Reading) -> Step:
+        if "rt_prefill" in now.counters or "rt_decode" in now.counters:
+            return Step(_delta(delta, "rt_prefill"), _delta(delta, "rt_decode"))
+        return Step(_delta(delta, "req_prompt"), _delta(delta, "req_generation"),
+                    confidence=FALLBACK_CONFIDENCE)
+
+
+# -- TGI -----------------------------------------------------------------------------------------
+
+_TGI_CALLS = {"tgi_batch_forward_duration_count": "forward",
+              "tgi_batch_inference_count": "inference",
+              "tgi_batch_inference_count_total": "inference"}
+
+
+class TgiMetrics(MetricsSource):
+    """Text Generation Inference /metrics: batch calls by method (prefill, decode)."""
+
+    name = "tgi-metrics"
+    kind = "tgi"
+    default_url = "http://127.0.0.1:9000/metrics"
+    counts_are_tokens = False
+    phase_series = frozenset([*_TGI_CALLS, "tgi_batch_current_size"])
+    family_prefix = "tgi_"
+    lazy_series = True
+
+    def engine_of(self, model: str = "", rank: str = "") -> str:
+        return self.engine_override or f"tgi:{urllib.parse.urlsplit(self.url).netloc}"
+
+    def read(self, samples: list[Sample]) -> dict[str, Reading]:
+        r = Reading()
+        for s in samples:
+            if s.name == "tgi_batch_current_size":
+                r.busy = bool(r.busy) or s.value > 0
+                continue
+            which = _TGI_CALLS.get(s.name)
+            method = s.labels.get("method")
+            if which is None or method not in ("prefill", "decode"):
+                continue
+            key = f"{which}_{method}"
+            r.counters[key] = r.counters.get(key, 0.0) + s.value
+        return {self.engine_of(): r} if r.counters else {}
+
+    def split(self, delta: dict[str, float], now: Reading) -> Step:
+        # The forward timings are the per-call record; the inference counter is the older
+        # and coarser one, used only where the exporter has no forward histogram.
+        which = "forward" if any(k.startswith("forward_") for k in now.counters) else "inference"
+        return Step(_delta(delta, f"{which}_prefill"), _delta(delta, f"{which}_decode"),
+                    busy=bool(now.busy))
+
+
+SOURCES: dict[str, type[MetricsSource]] = {
+    VllmMetrics.name: VllmMetrics, SglangMetrics.name: SglangMetrics, TgiMetrics.name: TgiMetrics}
+
+
+def from_spec(spec: str, engine: str | None = None) -> MetricsSource:
+    """A source from `--phases` syntax: `vllm-metrics`, or `vllm-metrics=URL`."""
+    kind, _, url = spec.partition("=")
+    cls = SOURCES.get(kind.strip())
+    if cls is None:
+        raise KvprofError(f"unknown metrics source {kind!r}; choose from "
+                          f"{', '.join(SOURCES)}", EX_USAGE)
+    return cls(url.strip() or None, engine=engine)
