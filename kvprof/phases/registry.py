@@ -61,9 +61,9 @@ def discover(proc: Path = Path("/proc")) -> list[SourceSpec]:
     """Serving engines running on this host, from their command lines, most exact source
     first per engine. Nothing found: an empty list (marks still work)."""
     found: list[SourceSpec] = []
-    for d in proc.iterdir() if proc.is_dir() else []:
-        if not d.name.isdigit():
-            continue
+    pids = sorted((d for d in proc.iterdir() if d.name.isdigit()), key=lambda d: int(d.name)) \
+        if proc.is_dir() else []
+    for d in pids:
         try:
             argv = (d / "cmdline").read_bytes().split(b"\0")
         except OSError:
