@@ -73,6 +73,18 @@ static __always_inline void fill_task(struct block_start *v)
         v->flags |= KVPROF_FL_FILTERED;
 }
 
+static __always_inline void track(struct block_key *k, u32 bytes, const char *rwbs,
+                                  u64 insert_ns, u64 issue_ns)
+{
+    struct block_start v = {};
+    v.insert_ns = insert_ns;
+    v.issue_ns = issue_ns;
+    v.bytes = bytes;
+    parse_rwbs(rwbs, &v.op, &v.flags);
+    fill_task(&v);
+    block_start_map.update(k, &v);
+}
+
 TRACEPOINT_PROBE(block, block_rq_insert)
 {
     u32 dev = args->dev;
@@ -81,12 +93,7 @@ TRACEPOINT_PROBE(block, block_rq_insert)
     struct block_key k = {};
     k.dev = dev;
     k.sector = args->sector;
-    struct block_start v = {};
-    v.insert_ns = bpf_ktime_get_ns();
-    v.bytes = args->bytes;
-    parse_rwbs(args->rwbs, &v.op, &v.flags);
-    fill_task(&v);
-    block_start_map.update(&k, &v);
+    track(&k, args->bytes, args->rwbs, bpf_ktime_get_ns(), 0);
     return 0;
 }
 
@@ -106,14 +113,8 @@ TRACEPOINT_PROBE(block, block_rq_issue)
         found->bytes = args->bytes;
         return 0;
     }
-    struct block_start v = {};
-    v.issue_ns = now;
-    v.bytes = args->bytes;
-    u16 fl = 0;
-    parse_rwbs(args->rwbs, &v.op, &fl);
-    v.flags = fl;
-    fill_task(&v);
-    block_start_map.update(&k, &v);
+    /* Not inserted first: it went straight to the driver. */
+    track(&k, args->bytes, args->rwbs, 0, now);
     return 0;
 }
 
