@@ -42,6 +42,15 @@ def _record_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
 
+TOP_EXAMPLES = """examples:
+  sudo kvprof top -d nvme0n1             # record nvme0n1 and watch it live
+  kvprof top --replay run1               # replay a session: space plays, arrows scrub
+  kvprof top --replay run1-pq            # ... or its Parquet export
+keys: space pause/play, w window (10 s/60 s/session), d device, p process,
+      e export Parquet, left/right scrub, +/- speed, ? help, q quit
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvprof", description="What storage does during LLM prefill and decode.",
@@ -52,6 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("record", help="trace storage I/O and phase marks into a session",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _record_args(p)
+
+    p = sub.add_parser("top", help="live dashboard while recording (same options as record),"
+                                   " or --replay a recorded session",
+                       epilog=TOP_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _record_args(p)
+    p.add_argument("--replay", metavar="SESSION",
+                   help="show a recorded session (directory, .duckdb file or Parquet export) "
+                        "instead of recording")
+    p.add_argument("--interval", type=float, default=0.5, help="refresh interval in seconds")
 
     p = sub.add_parser("report", help="per-phase storage numbers of a recorded session")
     p.add_argument("session", help="session directory (or its session.duckdb)")
@@ -75,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=6.0, help="length of the workload")
     p.add_argument("-o", "--output", help="keep the session in this directory")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-tui", action="store_true",
+                   help="print the report only (the default when stdout is not a terminal)")
     return parser
 
 
@@ -93,6 +113,27 @@ def cmd_record(args) -> int:
         return 0
     record(opts)
     return 0
+
+
+def cmd_top(args) -> int:
+    from kvprof.top import run_live, run_replay
+
+    if args.interval <= 0:
+        raise KvprofError("--interval must be positive", EX_USAGE)
+    if args.replay:
+        return run_replay(args.replay, interval_s=args.interval)
+    from kvprof import system
+
+    system.require_privilege()  # one line and exit 77 before any screen, like record
+    if not sys.stdout.isatty():
+        raise KvprofError("kvprof top needs a terminal; use kvprof record for a script",
+                          EX_USAGE)
+    from kvprof.record import RecordOptions
+
+    opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
+                         cgroups=args.cgroup, layers=tuple(args.layer or ("block", "io_uring")),
+                         duration_s=args.duration, socket=args.socket, phases=args.phase_sources)
+    return run_live(opts, interval_s=args.interval)
 
 
 def cmd_report(args) -> int:
@@ -143,10 +184,12 @@ def cmd_doctor(args) -> int:
 def cmd_demo(args) -> int:
     from kvprof.demo import run_demo
 
-    return run_demo(seconds=args.seconds, out=args.output, as_json=args.json)
+    # The dashboard only on a terminal: scripts and tests keep getting the printed report.
+    tui = not (args.no_tui or args.json) and sys.stdout.isatty() and sys.stdin.isatty()
+    return run_demo(seconds=args.seconds, out=args.output, as_json=args.json, tui=tui)
 
 
-COMMANDS = {"record": cmd_record, "report": cmd_report, "export": cmd_export,
+COMMANDS = {"record": cmd_record, "top": cmd_top, "report": cmd_report, "export": cmd_export,
             "mark": cmd_mark, "doctor": cmd_doctor, "demo": cmd_demo}
 
 

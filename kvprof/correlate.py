@@ -92,8 +92,11 @@ def _op_entry(bytes_: int, ios: int, time_s: float) -> dict:
 
 
 def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
-              t1: int | None = None) -> dict:
-    """The report as a dict; its shape is documented in the README and kept stable."""
+              t1: int | None = None, io_filter: str = "") -> dict:
+    """The report as a dict; its shape is documented in the README and kept stable.
+
+    `io_filter` is an SQL condition on io columns (the dashboard's device/process filter),
+    built by the caller from quoted values; empty keeps every I/O."""
     info = session_info(con)
     t0 = info.start_ns if t0 is None else t0
     t1 = info.end_ns if t1 is None else t1
@@ -120,8 +123,11 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
     if len(lookup_start):
         lookup_start[0] = np.iinfo(np.int64).min
     con.register("_kv_windows", pa.table({"w_start": lookup_start, "w_phase": wp.astype(str)}))
-    bounds = "" if (t0 == info.start_ns and t1 == info.end_ns) else \
-        f"WHERE issue_ns >= {int(t0)} AND issue_ns < {int(t1)}"
+    conds = [] if (t0 == info.start_ns and t1 == info.end_ns) else \
+        [f"issue_ns >= {int(t0)} AND issue_ns < {int(t1)}"]
+    if io_filter:
+        conds.append(f"({io_filter})")
+    bounds = ("WHERE " + " AND ".join(conds)) if conds else ""
     con.execute(f"""
         CREATE OR REPLACE TEMP VIEW _kv_io AS
         SELECT io.*, w.w_phase AS phase,

@@ -65,16 +65,18 @@ FIO_RATE_IOPS = 2000
 ATTACH_TIMEOUT_S = 60.0
 
 
-def run_demo(seconds: float = 6.0, out: str | None = None, as_json: bool = False) -> int:
-    """Run the workload for about `seconds`, recorded live, then print the report."""
+def run_demo(seconds: float = 6.0, out: str | None = None, as_json: bool = False,
+             tui: bool = False) -> int:
+    """Run the workload for about `seconds`, recorded live, then print the report. With
+    `tui`, the `kvprof top` dashboard shows it live first (and the sample, unprivileged)."""
     if not system.check_privilege().ok:
-        return _show_sample(as_json, "live capture needs root (or CAP_BPF+CAP_PERFMON)")
+        return _show_sample(as_json, "live capture needs root (or CAP_BPF+CAP_PERFMON)", tui)
     if not system.effective_caps() >> system.CAP_SYS_ADMIN & 1:
         # CAP_BPF+CAP_PERFMON let `record` trace, but not make a loop device or mount it.
-        return _show_sample(as_json, "the live demo needs root to make its loop device")
+        return _show_sample(as_json, "the live demo needs root to make its loop device", tui)
     session = Path(out) if out else _default_out()
     try:
-        _record_demo(session, seconds)
+        _record_demo(session, seconds, tui)
     except BaseException:
         if out is None:
             # A run that never reached its report leaves no unannounced directory behind.
@@ -87,7 +89,7 @@ def run_demo(seconds: float = 6.0, out: str | None = None, as_json: bool = False
     return 0
 
 
-def _record_demo(session: Path, seconds: float) -> None:
+def _record_demo(session: Path, seconds: float, tui: bool = False) -> None:
     """Disk, cgroup and recorder up; the workload; everything down again, whatever happens."""
     with _teardown() as stack:
         work = Path(tempfile.mkdtemp(prefix="kvprof-demo-work-"))
@@ -104,7 +106,10 @@ def _record_demo(session: Path, seconds: float) -> None:
               file=sys.stderr, flush=True)
         marker = Marker(rec.opts.socket, engine=ENGINE)
         try:
-            _workload(_KVStore(disk), marker, seconds)
+            if tui:
+                _workload_under_dashboard(rec, _KVStore(disk), marker, seconds)
+            else:
+                _workload(_KVStore(disk), marker, seconds)
         except KeyboardInterrupt:
             pass  # end early, like `kvprof record`: what was recorded is still reported
         except OSError as e:
@@ -116,11 +121,15 @@ def _record_demo(session: Path, seconds: float) -> None:
 
 # -- without privileges: the recorded sample -------------------------------------------------
 
-def _show_sample(as_json: bool, why: str) -> int:
+def _show_sample(as_json: bool, why: str, tui: bool = False) -> int:
     if not (SAMPLE_DIR / DB_FILE).exists():
         raise KvprofError(f"{why}, and no recorded sample is installed at {SAMPLE_DIR}",
                           EX_NOPERM, hint="run: sudo kvprof demo")
     print(f"kvprof demo: {why}; showing a recorded sample instead", file=sys.stderr, flush=True)
+    if tui:
+        from kvprof.top import run_replay
+
+        return run_replay(str(SAMPLE_DIR))
     _print_report(SAMPLE_DIR, "samples/demo", as_json)
     return 0
 
@@ -313,6 +322,7 @@ class _Recorder:
         self.stop = threading.Event()
         self.ready = threading.Event()
         self.error: BaseException | None = None
+        self.store = None  # set once the probes are attached; the dashboard reads it
         self._thread = threading.Thread(target=self._run, name="kvprof-demo-record",
                                         daemon=True)
 
@@ -321,9 +331,12 @@ class _Recorder:
         if "Hit Ctrl-C" in line:
             self.ready.set()
 
+    def _started(self, store) -> None:
+        self.store = store
+
     def _run(self) -> None:
         try:
-            record(self.opts, log=self._log, stop=self.stop)
+            record(self.opts, log=self._log, stop=self.stop, on_start=self._started)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread
             self.error = e
         finally:
@@ -437,6 +450,35 @@ def _fio_reads(chunk: _Chunk, seconds: float) -> bool:
     except (OSError, subprocess.SubprocessError):
         return False
     return True
+
+
+def _workload_under_dashboard(rec: _Recorder, store: _KVStore, marker: Marker,
+                              seconds: float) -> None:
+    """The workload in a thread while the dashboard owns the terminal (Textual must run in
+    the main thread). Quitting early still lets the current round finish: the workload
+    only stops at its deadline, and the recorder must outlive it."""
+    from kvprof.snapshot import Clock
+    from kvprof.store import session_info
+    from kvprof.ui.app import KvprofTop
+
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            _workload(store, marker, seconds)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            errors.append(e)
+
+    worker = threading.Thread(target=work, name="kvprof-demo-workload", daemon=True)
+    cur = rec.store.con.cursor()
+    info = session_info(cur)
+    cur.close()
+    worker.start()
+    KvprofTop(rec.store.con, Clock(info.start_ns, None, playing=True), name="demo",
+              window_s=10.0).run()
+    worker.join()
+    if errors:
+        raise errors[0]
 
 
 def _workload(store: _KVStore, marker: Marker, seconds: float) -> None:

@@ -77,8 +77,11 @@ class StopFlag:
 
 
 def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
-           stop: threading.Event | None = None) -> Path:
-    """Record one session and return its directory."""
+           stop: threading.Event | None = None,
+           on_start: Callable[[Store], None] | None = None) -> Path:
+    """Record one session and return its directory. `on_start` gets the store once the
+    probes are attached and the session row exists (`kvprof top` reads it live through its
+    own cursor); it must not keep using the store after `stop` is set."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     system.require_privilege()
     system.ensure_tracefs()
@@ -145,6 +148,8 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         capture.start()
         for _, src in sources:
             src.start()
+        if on_start is not None:
+            on_start(store)
         what = ", ".join(d.name for d in filters.devices) or "all block devices"
         log(f"Tracing {'+'.join(opts.layers)} I/O on {what}; marks on {marks.path}; "
             f"session {out}. Hit Ctrl-C to end.")

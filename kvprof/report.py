@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from datetime import datetime, timezone
 
 from kvprof import schema
@@ -93,4 +94,15 @@ def to_text(summary: dict, name: str = "") -> str:
     if s["lost_events"]:
         lines += ["", "lost: " + ", ".join(f"{k} {v}" for k, v in s["lost_by_reason"].items()
                                             if v)]
+    # Imported here: findings builds on this module's formatting helpers.
+    from kvprof.findings import findings
+
+    verdicts = findings(summary)
+    if verdicts:
+        lines += ["", "findings:"]
+        for text in verdicts.values():
+            # Keep "96 %" on one line: wrap with the space masked, then put it back.
+            wrapped = textwrap.wrap(text.replace(" %", "\0%"), WIDTH, initial_indent="  ",
+                                    subsequent_indent="    ")
+            lines += [w.replace("\0", " ") for w in wrapped]
     return "\n".join(lines) + "\n"

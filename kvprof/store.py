@@ -122,3 +122,27 @@ def session_info(con: duckdb.DuckDBPyConnection) -> SessionInfo:
         clock_offset_ns=r["clock_offset_ns"], devices=json.loads(r["devices"] or "[]"),
         config=json.loads(r["config"] or "{}"), lost=json.loads(r["lost"] or "{}"),
         status=r["status"], sources=json.loads(r.get("sources") or "[]"))
+
+
+def open_replay(source: str | Path) -> duckdb.DuckDBPyConnection:
+    """A session to replay: a session directory or .duckdb file, or a `kvprof export
+    --parquet` directory, loaded into an in-memory DuckDB under the same table names so
+    everything downstream reads it the same way."""
+    p = Path(source)
+    if not (p.is_dir() and (p / "io.parquet").exists()):
+        return open_session(source)
+    con = duckdb.connect(":memory:")
+    try:
+        for name in schema.TABLES:
+            f = p / f"{name}.parquet"
+            if f.exists():
+                literal = "'" + str(f).replace("'", "''") + "'"
+                con.execute(f"CREATE TABLE {name} AS SELECT * FROM read_parquet({literal})")
+            else:
+                con.execute(schema.duckdb_ddl(name))
+    except duckdb.Error as e:
+        con.close()
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise KvprofError(f"{p} is not a readable kvprof Parquet export: {first}",
+                          EX_DATAERR) from None
+    return con

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 CORE = ["kvprof.cli", "kvprof.correlate", "kvprof.report", "kvprof.export", "kvprof.store",
-        "kvprof.record", "kvprof.markers", "kvprof.phases.marks", "kvprof.doctor"]
+        "kvprof.record", "kvprof.markers", "kvprof.phases.marks", "kvprof.doctor",
+        "kvprof.snapshot", "kvprof.findings", "kvprof.top", "kvprof.demo"]
 
 
 def test_core_imports_no_capture_or_ui_libraries():

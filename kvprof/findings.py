@@ -1,0 +1,66 @@
+"""Plain-language verdicts per phase, from the summary dict of `correlate.summarize`.
+
+A pure function of that dict, so `kvprof report`, the dashboard and tests all say the same
+thing. The rules follow the sizing guidance in DESIGN.md: large requests with the device busy
+most of the time are bandwidth-bound; small requests with the device mostly idle are
+latency-bound (more bandwidth would not help, lower latency would).
+"""
+from __future__ import annotations
+
+from kvprof import schema
+from kvprof.report import human_bytes, human_us, size_label
+
+# Requests at least this large count as bulk transfers, below SMALL_BYTES as point lookups.
+LARGE_BYTES = 128 << 10
+SMALL_BYTES = 64 << 10
+# Device busier than this (idle below 100 - BUSY_PCT) during the phase: it is the limit.
+BUSY_PCT = 50.0
+
+
+def _main_op(ph: dict) -> tuple[str, str, dict] | None:
+    """(layer, op, entry) carrying most bytes in this phase; block first, it sees the device."""
+    best = None
+    for layer in schema.LAYERS:
+        for op in ("read", "write"):
+            e = ph[layer].get(op)
+            if e and e["ios"] and (best is None or e["bytes"] > best[2]["bytes"]):
+                best = (layer, op, e)
+        if best is not None:
+            return best
+    return None
+
+
+def phase_finding(phase: str, ph: dict) -> str | None:
+    """One sentence about this phase, or None when the phase took no time."""
+    if ph["time_s"] <= 0:
+        return None
+    found = _main_op(ph)
+    if found is None:
+        return f"{phase}: no storage I/O in {ph['time_s']:.1f} s"
+    layer, op, e = found
+    idle = ph["block"].get("time_idle_pct")
+    mean_size = e["bytes"] / e["ios"]
+    # The most common request size names the pattern better than the mean of a mix.
+    common = max(e["size_hist"].items(), key=lambda kv: kv[1], default=(mean_size, 0))[0]
+    size = size_label(int(common))
+    p99 = e["latency_us"]["p99"]
+    bw = f"{human_bytes(e['bandwidth_bytes_per_s'])}/s"
+    noun = f"{phase} {op}s" + ("" if layer == "block" else f" ({layer})")
+    idle_txt = "" if idle is None else f" while the device is {idle:.0f} % idle"
+    if idle is not None and mean_size >= LARGE_BYTES and 100 - idle >= BUSY_PCT:
+        return (f"{noun} are bandwidth-bound at {bw} ({size} requests, "
+                f"device busy {100 - idle:.0f} % of the phase)")
+    if mean_size < SMALL_BYTES and (idle is None or 100 - idle < BUSY_PCT):
+        return f"{noun} are latency-bound at p99 = {human_us(p99)}{idle_txt}"
+    return (f"{noun}: {bw} in {size} requests, {e['iops']:.0f} IOPS, "
+            f"p99 = {human_us(p99)}{idle_txt}")
+
+
+def findings(summary: dict) -> dict[str, str]:
+    """Phase -> verdict, in schema.PHASES order, for every phase that took time."""
+    out = {}
+    for p in schema.PHASES:
+        text = phase_finding(p, summary["phases"][p])
+        if text is not None:
+            out[p] = text
+    return out

@@ -1,0 +1,327 @@
+"""`kvprof top`: snapshots equal the report for the same window, the real app under Pilot and
+in a real terminal (tmux), the findings, and replay of a Parquet export."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from kvprof.correlate import summarize
+from kvprof.export import export_parquet
+from kvprof.findings import findings, phase_finding
+from kvprof.report import to_text
+from kvprof.snapshot import Clock, Filters, build_snapshot
+from kvprof.store import open_replay, session_info
+from tests.conftest import KVPROF, live, run_kvprof
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "samples" / "demo"
+
+
+@pytest.fixture
+def sample():
+    con = open_replay(SAMPLE)
+    yield con, session_info(con)
+    con.close()
+
+
+# -- findings ----------------------------------------------------------------------------------
+
+def _phase(time_s=1.0, idle=None, **ops):
+    def entry(ios=0, nbytes=0, p99=None, size=4096, bw=0.0):
+        return {"ios": ios, "bytes": nbytes, "bandwidth_bytes_per_s": bw, "iops": ios / time_s if time_s else 0.0,
+                "latency_us": {"p50": p99, "p90": p99, "p99": p99, "p999": p99},
+                "size_hist": {str(size): ios} if ios else {}}
+    ph = {"time_s": time_s, "block": {"read": entry(), "write": entry(),
+                                      "time_idle_pct": idle},
+          "io_uring": {"read": entry(), "write": entry()}}
+    for op, kw in ops.items():
+        ph["block"][op] = entry(**kw)
+    return ph
+
+
+def test_findings_name_the_limit_of_each_phase():
+    lat = _phase(idle=96.0, read=dict(ios=1000, nbytes=4096000, p99=3100.0))
+    assert phase_finding("decode", lat) == \
+        "decode reads are latency-bound at p99 = 3.1ms while the device is 96 % idle"
+    bw = _phase(idle=10.0, write=dict(ios=100, nbytes=100 << 20, p99=900.0, size=1 << 20,
+                                      bw=400 * 2**20))
+    assert phase_finding("prefill", bw).startswith(
+        "prefill writes are bandwidth-bound at 400.0 MiB/s (1M requests, device busy 90 %")
+    assert phase_finding("idle", _phase(idle=100.0)) == "idle: no storage I/O in 1.0 s"
+    assert phase_finding("mixed", _phase(time_s=0.0)) is None
+
+
+def test_report_ends_with_the_findings(sample):
+    con, _ = sample
+    summary = summarize(con)
+    text = to_text(summary, "samples/demo")
+    block = text.split("\nfindings:\n", 1)[1]
+    assert "decode reads are latency-bound" in block
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert list(findings(summary)) == ["prefill", "decode", "idle"]
+
+
+# -- snapshots -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("window_s", [None, 60.0, 10.0, 1.0])
+def test_snapshot_summary_is_the_report_for_its_window(sample, window_s):
+    con, info = sample
+    now = info.start_ns + 2_500_000_000 if window_s == 1.0 else info.end_ns
+    s = build_snapshot(con, window_s, now)
+    assert s.t1_ns == now and s.t0_ns == (info.start_ns if window_s != 1.0 else now - 10**9)
+    assert s.summary == summarize(con, s.t0_ns, s.t1_ns)
+    if window_s is None:
+        assert s.summary == summarize(con)  # the whole session at its end is `kvprof report`
+    dec = s.phase("decode")
+    rep = s.summary["phases"]["decode"]["block"]["read"]
+    assert dec.read.mean == rep["bandwidth_bytes_per_s"] and dec.p99_us == rep["latency_us"]["p99"]
+    assert dec.read.peak >= dec.read.mean > 0 and dec.read.now > 0
+    assert len(s.timeline) == 60 and any(b.phase == "decode" for b in s.timeline)
+    assert s.findings == tuple(findings(s.summary).values())
+    assert s.gpu is None and "no GPU data" in s.gpu_note
+
+
+def test_snapshot_filters(sample):
+    con, info = sample
+    fio = next(t for t, c in build_snapshot(con, None, info.end_ns).process_choices if c == "fio")
+    s = build_snapshot(con, None, info.end_ns, Filters(tgid=fio))
+    assert s.summary == summarize(con, s.t0_ns, s.t1_ns, f"tgid = {fio}")
+    assert s.phase("prefill").ios == 0 and s.phase("decode").ios > 0
+    none = build_snapshot(con, None, info.end_ns, Filters(device="nvme9n9"))
+    assert not any(p.ios for p in none.phases) and any("no I/O" in n for n in none.notes)
+
+
+def test_parquet_export_replays_the_same(sample, tmp_path):
+    con, info = sample
+    export_parquet(con, tmp_path / "pq")
+    pq = open_replay(tmp_path / "pq")
+    try:
+        assert build_snapshot(pq, None, info.end_ns).summary == summarize(con)
+    finally:
+        pq.close()
+
+
+def test_replay_clock_plays_scrubs_and_stops_at_the_end():
+    t = [0]
+    c = Clock(1000, 1000 + 10 * 10**9, playing=False, mono=lambda: t[0])
+    assert c.now_ns() == c.end_ns
+    assert c.toggle() and c.now_ns() == 1000  # play from the end restarts
+    c.set_speed(2.0)
+    t[0] += 10**9
+    assert c.now_ns() == 1000 + 2 * 10**9
+    c.seek(-5 * 10**9)
+    assert c.now_ns() == 1000
+    t[0] += 60 * 10**9
+    assert c.now_ns() == c.end_ns and not c.playing
+
+
+# -- the real app under Pilot ----------------------------------------------------------------------
+
+def _app(con, info, **kw):
+    from kvprof.ui.app import KvprofTop
+
+    return KvprofTop(con, Clock(info.start_ns, info.end_ns, playing=False), name="demo",
+                     interval_s=0.2, window_s=None, **kw)
+
+
+async def _wait(pilot, app, pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if app.snapshot is not None and pred(app.snapshot):
+            return app.snapshot
+        await pilot.pause(0.05)
+    raise AssertionError("no snapshot matched")
+
+
+def test_pilot_keys_change_window_filter_and_pause(sample):
+    from kvprof.ui.app import SnapshotReady
+
+    con, info = sample
+    posted = []
+
+    async def run():
+        app = _app(con, info)
+        hook = lambda m: posted.append(m.snapshot) if isinstance(m, SnapshotReady) else None  # noqa
+        async with app.run_test(size=(80, 24), message_hook=hook) as pilot:
+            s = await _wait(pilot, app, lambda s: True)
+            assert s.window_s is None and s.t1_ns == info.end_ns
+            await pilot.press("w")
+            s = await _wait(pilot, app, lambda s: s.window_s == 10.0)
+            await pilot.press("d")
+            s = await _wait(pilot, app, lambda s: s.filters.device == "loop0")
+            await pilot.press("d")
+            s = await _wait(pilot, app, lambda s: s.filters.device is None)
+            await pilot.press("p")
+            s = await _wait(pilot, app, lambda s: s.filters.tgid is not None)
+            assert s.filters.tgid == s.process_choices[0][0]
+            await pilot.press(*["p"] * len(s.process_choices))  # round to all processes
+            s = await _wait(pilot, app, lambda s: s.filters.tgid is None)
+            await pilot.press("space")  # play: from the end, replay restarts at the start
+            s = await _wait(pilot, app, lambda s: s.t1_ns < info.end_ns)
+            assert app.clock.playing
+            await pilot.press("space")
+            assert not app.clock.playing
+            frozen = app.clock.now_ns()
+            await pilot.pause(0.5)
+            assert app.clock.now_ns() == frozen
+            await pilot.press("left")
+            assert app.clock.now_ns() == info.start_ns
+            await pilot.press("question_mark")
+            assert type(app.screen).__name__ == "HelpScreen"
+            await pilot.press("escape")
+            await pilot.press("q")
+        return app
+
+    app = asyncio.run(run())
+    assert app.return_code in (0, None)
+    assert {s.window_s for s in posted} >= {None, 10.0}
+    # Every message carries exactly the report of its window and filter.
+    for s in posted[:: max(1, len(posted) // 6)] + posted[-1:]:
+        assert s.summary == summarize(con, s.t0_ns, s.t1_ns, s.filters.sql())
+        assert s.phase("decode").ios == sum(s.summary["phases"]["decode"]["block"][op]["ios"]
+                                            for op in ("read", "write"))
+
+
+def test_pilot_export_writes_parquet_off_the_ui_thread(sample, tmp_path):
+    con, info = sample
+
+    async def run():
+        app = _app(con, info, export_dir=tmp_path / "pq")
+        async with app.run_test(size=(80, 24)) as pilot:
+            await _wait(pilot, app, lambda s: True)
+            await pilot.press("e")
+            await app.workers.wait_for_complete()
+            await pilot.press("q")
+
+    asyncio.run(run())
+    assert sorted(p.name for p in (tmp_path / "pq").iterdir()) == sorted(
+        ["io.parquet", "phase.parquet", "session.parquet", "gpu.parquet", "kv_event.parquet",
+         "engine_metric.parquet"])
+
+
+def test_command_palette_lists_the_actions(sample):
+    con, info = sample
+    app = _app(con, info)
+    from kvprof.ui.app import KvprofTop
+
+    names = [b.description for b in KvprofTop.BINDINGS]
+    assert {"Pause", "Window", "Device", "Process", "Export", "Quit"} <= set(names)
+
+    async def run():
+        async with app.run_test(size=(80, 24)) as pilot:
+            got = [c.title for c in app.get_system_commands(app.screen)]
+            await pilot.press("q")
+            return got
+
+    titles = asyncio.run(run())
+    for n in ("Pause", "Window", "Device", "Process", "Export", "Quit"):
+        assert any(t.startswith(n) for t in titles), titles
+
+
+# -- snapshot (SVG) tests: fixed terminal size; replay paused at the end is a frozen clock --------
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 36)])
+def test_screen_snapshot(snap_compare, sample, size):
+    con, info = sample
+    app = _app(con, info)
+
+    async def ready(pilot):
+        await _wait(pilot, app, lambda s: True)
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=size, run_before=ready)
+
+
+# -- a real terminal ------------------------------------------------------------------------------
+
+def _tmux(*args: str) -> str:
+    return subprocess.run(["tmux", *args], check=True, capture_output=True, text=True).stdout
+
+
+def _screen_until(name: str, pred, timeout: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout
+    screen = ""
+    while time.monotonic() < deadline:
+        screen = _tmux("capture-pane", "-p", "-t", name)
+        if pred(screen):
+            return screen
+        time.sleep(0.1)
+    raise AssertionError(screen)
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_replay_in_tmux_shows_the_panels_and_q_exits_cleanly(tmp_path):
+    name = f"kvprof-test-{os.getpid()}"
+    rc = tmp_path / "rc"
+    cmd = (f"cd {ROOT} && {' '.join(KVPROF)} top --replay samples/demo; "
+           f"echo $? > {rc}; exec sleep 60")
+    _tmux("new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd)
+    try:
+        screen = _screen_until(name, lambda s: "73.0 %" in s)
+        for phase in ("prefill", "decode", "mixed", "idle"):
+            assert f"╭─ {phase} " in screen
+        assert "time 73.0 % 3.0s" in screen and "p50/99 13us 62us" in screen
+        assert "idle 95.9 %" in screen and "latency-bound" in screen
+        assert all(len(line) <= 80 for line in screen.splitlines())
+        _tmux("send-keys", "-t", name, "q")
+        deadline = time.monotonic() + 10
+        while not rc.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert rc.read_text().strip() == "0"
+        after = _tmux("capture-pane", "-p", "-t", name)
+        assert "╭─" not in after and "kvprof top" not in after  # alternate screen left
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
+def test_live_top_without_privileges_is_one_line_and_77():
+    r = run_kvprof("top", "-d", "loop0",
+                   prefix=["setpriv", "--bounding-set=-all", "--inh-caps=-all"])
+    assert r.returncode == 77
+    assert r.stderr.startswith("kvprof: error: live capture needs root")
+    assert "Traceback" not in r.stderr
+
+
+def test_replay_of_a_missing_session_is_one_line(tmp_path):
+    r = run_kvprof("top", "--replay", str(tmp_path / "nope"))
+    assert r.returncode == 66 and r.stderr.count("\n") == 1
+
+
+@live
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_live_numbers_move_within_a_second_of_the_io(loopdev, tmp_path):
+    from tests.conftest import direct_write
+
+    name = f"kvprof-live-{os.getpid()}"
+    out = tmp_path / "live"
+    cmd = (f"cd {ROOT} && {' '.join(KVPROF)} top -d {loopdev} -o {out} "
+           f"--socket {tmp_path / 'm.sock'} --interval 0.2; echo $? > {tmp_path / 'rc'}; "
+           "exec sleep 60")
+    _tmux("new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd)
+    try:
+        _screen_until(name, lambda s: "live ▶" in s and "╭─ idle" in s, timeout=90)
+        time.sleep(0.5)
+        direct_write(loopdev, 64 << 20)
+        t_io = time.monotonic()
+        # No phase source: all of it is idle time; its write bandwidth appears on screen.
+        screen = _screen_until(name, lambda s: "no I/O" not in s.split("╭─ idle")[1]
+                               and "W " in s.split("╭─ idle")[1], timeout=5)
+        assert time.monotonic() - t_io < 1.5, screen
+        _tmux("send-keys", "-t", name, "q")
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "rc").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "rc").read_text().strip() == "0"
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
+    rep = run_kvprof("report", str(out), "--json")
+    assert rep.returncode == 0, rep.stderr
+    assert '"write"' in rep.stdout
+
