@@ -137,22 +137,21 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
         FROM (SELECT * FROM io {bounds}) io
         ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start""")
     qs = "[" + ", ".join(str(q) for _, q in QUANTILES) + "]"
+    # One pass over the joined rows: counts, exact quantiles and both log2 histograms.
     stats = con.execute(f"""
         SELECT phase, layer, op, count(*), sum(bytes)::UBIGINT,
                quantile_cont(total_ns / 1e3, {qs}), quantile_cont(queue_ns / 1e3, {qs}),
-               quantile_cont(device_ns / 1e3, {qs})
+               quantile_cont(device_ns / 1e3, {qs}),
+               histogram(2 ** floor(log2(greatest(bytes, 1)))::UBIGINT),
+               histogram(2 ** floor(log2(greatest(total_ns / 1e3, 1)))::UBIGINT)
         FROM _kv_io GROUP BY ALL""").fetchall()
-    for p, layer, op, ios, nbytes, lat, queue, dev in stats:
+    for p, layer, op, ios, nbytes, lat, queue, dev, sizes, lats in stats:
         entry = phases[p][layer].setdefault(op, _op_entry(0, 0, phases[p]["time_s"]))
         entry.update(_op_entry(nbytes or 0, ios, phases[p]["time_s"]))
         for key, vals in (("latency_us", lat), ("queue_us", queue), ("device_us", dev)):
             entry[key] = {k: float(v) for (k, _), v in zip(QUANTILES, vals)}
-    for column, key in (("bytes", "size_hist"), ("total_ns / 1e3", "latency_hist_us")):
-        hist = con.execute(f"""
-            SELECT phase, layer, op, 2 ** floor(log2(greatest({column}, 1)))::UBIGINT AS bucket,
-                   count(*) FROM _kv_io GROUP BY ALL ORDER BY bucket""").fetchall()
-        for p, layer, op, bucket, n in hist:
-            phases[p][layer][op][key][str(int(bucket))] = int(n)
+        for key, hist in (("size_hist", sizes), ("latency_hist_us", lats)):
+            entry[key] = {str(int(b)): int(n) for b, n in sorted(dict(hist).items())}
 
     _idle(con, info, phases, ws, we, wp, bounds)
     con.unregister("_kv_windows")
@@ -185,10 +184,13 @@ def _idle(con, info: SessionInfo, phases: dict, ws, we, wp, bounds: str) -> None
         SELECT dev_name, CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END AS s,
                complete_ns AS e
         FROM (SELECT * FROM io {bounds}) WHERE layer = 'block'""").to_arrow_table()
-    names = tbl["dev_name"].to_numpy(zero_copy_only=False)
+    # Device names as dictionary codes: comparing small ints, not a million Python strings.
+    enc = tbl["dev_name"].combine_chunks().dictionary_encode()
+    codes = enc.indices.to_numpy(zero_copy_only=False)
+    code_of = {name: i for i, name in enumerate(enc.dictionary.to_pylist())}
     s = tbl["s"].to_numpy()
     e = tbl["e"].to_numpy()
-    devices = [d["name"] for d in info.devices] or sorted(set(names.tolist()))
+    devices = [d["name"] for d in info.devices] or sorted(code_of)
 
     def idle_pct(mask) -> dict[str, float | None]:
         isl_s, isl_e = busy_islands(s[mask], e[mask])
@@ -201,7 +203,7 @@ def _idle(con, info: SessionInfo, phases: dict, ws, we, wp, bounds: str) -> None
         return out
 
     overall = idle_pct(np.ones(len(s), bool))
-    per_dev = {d: idle_pct(names == d) for d in devices}
+    per_dev = {d: idle_pct(codes == code_of.get(d, -1)) for d in devices}
     for p in schema.PHASES:
         phases[p]["block"]["time_idle_pct"] = overall[p]
         phases[p]["block"]["devices"] = {d: {"time_idle_pct": per_dev[d][p]} for d in devices}
