@@ -35,7 +35,7 @@ from pathlib import Path
 from kvprof import system
 from kvprof.errors import EX_NOPERM, EX_SOFTWARE, EX_UNAVAILABLE, KvprofError
 from kvprof.markers import Marker
-from kvprof.record import RecordOptions, record
+from kvprof.record import ATTACH_TIMEOUT_S, BackgroundRecorder, RecordOptions
 from kvprof.store import DB_FILE
 
 SAMPLE_DIR = Path(__file__).resolve().parent.parent / "samples" / "demo"
@@ -62,7 +62,6 @@ FIO_S = 0.5
 # fio unthrottled does ~80k IOPS on a loop device; decode pulls KV at token pace instead,
 # which also keeps a session (and the committed sample) small.
 FIO_RATE_IOPS = 2000
-ATTACH_TIMEOUT_S = 60.0
 
 
 def run_demo(seconds: float = 6.0, out: str | None = None, as_json: bool = False,
@@ -96,10 +95,10 @@ def _record_demo(session: Path, seconds: float, tui: bool = False) -> None:
         stack.callback(_undo, f"remove {work}", lambda: _remove_workdir(work))
         disk = _make_disk(stack, work)
         cgroup = _join_private_cgroup(stack)
-        rec = _Recorder(RecordOptions(out=str(session), devices=[disk.device],
+        rec = BackgroundRecorder(RecordOptions(out=str(session), devices=[disk.device],
                                       cgroups=[cgroup] if cgroup else [],
                                       socket=str(work / "marks.sock")))
-        stack.callback(_undo, "stop the recorder", rec.abandon)
+        stack.callback(_undo, "stop the recorder", lambda: rec.finish(ATTACH_TIMEOUT_S))
         rec.start()
         print(f"kvprof demo: recording {seconds:g} s of KV-offload rounds (prefill writes, "
               f"decode reads) on {disk.device} ({disk.kind}); Ctrl-C ends early",
@@ -312,59 +311,6 @@ def _teardown() -> Iterator[ExitStack]:
                 signal.signal(signal.SIGINT, signal.SIG_DFL if old is None else old)
 
 
-# -- the recorder, in a background thread ---------------------------------------------------
-
-class _Recorder:
-    """`record()` in a thread, stopped by our own event (so it installs no signal handlers)."""
-
-    def __init__(self, opts: RecordOptions):
-        self.opts = opts
-        self.stop = threading.Event()
-        self.ready = threading.Event()
-        self.error: BaseException | None = None
-        self.store = None  # set once the probes are attached; the dashboard reads it
-        self._thread = threading.Thread(target=self._run, name="kvprof-demo-record",
-                                        daemon=True)
-
-    def _log(self, line: str) -> None:
-        # record() says this once its probes are attached; the demo prints its own lines.
-        if "Hit Ctrl-C" in line:
-            self.ready.set()
-
-    def _started(self, store) -> None:
-        self.store = store
-
-    def _run(self) -> None:
-        try:
-            record(self.opts, log=self._log, stop=self.stop, on_start=self._started)
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread
-            self.error = e
-        finally:
-            self.ready.set()
-
-    def start(self) -> None:
-        self._thread.start()
-        if not self.ready.wait(ATTACH_TIMEOUT_S):
-            raise KvprofError(f"the recorder did not attach within {ATTACH_TIMEOUT_S:.0f} s",
-                              EX_UNAVAILABLE)
-        self._raise()
-
-    def finish(self) -> None:
-        self.stop.set()
-        self._thread.join()
-        self._raise()
-
-    def abandon(self) -> None:
-        """Error path: stop without waiting forever on a recorder stuck compiling."""
-        self.stop.set()
-        self._thread.join(ATTACH_TIMEOUT_S)
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise err
-
-
 # -- the workload -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -452,7 +398,7 @@ def _fio_reads(chunk: _Chunk, seconds: float) -> bool:
     return True
 
 
-def _workload_under_dashboard(rec: _Recorder, store: _KVStore, marker: Marker,
+def _workload_under_dashboard(rec: BackgroundRecorder, store: _KVStore, marker: Marker,
                               seconds: float) -> None:
     """The workload in a thread while the dashboard owns the terminal (Textual must run in
     the main thread). Quitting early still lets the current round finish: the workload

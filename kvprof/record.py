@@ -18,7 +18,7 @@ from typing import Callable
 
 from kvprof import __version__, system
 from kvprof.devices import Device, resolve
-from kvprof.errors import EX_USAGE, KvprofError
+from kvprof.errors import EX_UNAVAILABLE, EX_USAGE, KvprofError
 from kvprof.markers import socket_path
 from kvprof.phases import registry
 from kvprof.store import DB_FILE, Store
@@ -206,3 +206,52 @@ def _status(src) -> dict:
 
 def _devices_json(devs: tuple[Device, ...]) -> str:
     return json.dumps([{"name": d.name, "major": d.major, "minor": d.minor} for d in devs])
+
+
+ATTACH_TIMEOUT_S = 60.0
+
+
+class BackgroundRecorder:
+    """`record()` in a thread, for views that run next to it (the dashboard, the demo).
+    Stopped by its own event, so it installs no signal handlers; hands over the store once
+    the probes are attached; an error in the thread is raised again in the caller's."""
+
+    def __init__(self, opts: RecordOptions):
+        self.opts = opts
+        self.stop = threading.Event()
+        self.ready = threading.Event()
+        self.store: Store | None = None
+        self.error: BaseException | None = None
+        self.log: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="kvprof-record", daemon=True)
+
+    def _started(self, store: Store) -> None:
+        self.store = store
+        self.ready.set()
+
+    def _run(self) -> None:
+        try:
+            record(self.opts, log=self.log.append, stop=self.stop, on_start=self._started)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            self.error = e
+        finally:
+            self.ready.set()
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self.ready.wait(ATTACH_TIMEOUT_S):
+            self.finish(ATTACH_TIMEOUT_S)
+            raise KvprofError(f"the recorder did not attach within {ATTACH_TIMEOUT_S:.0f} s",
+                              EX_UNAVAILABLE)
+        self._raise()
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Stop, wait (at most `timeout` on an error path) and raise what the thread raised."""
+        self.stop.set()
+        self._thread.join(timeout)
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err

@@ -7,16 +7,13 @@ in kvprof.ui and is imported only here, when a dashboard is actually shown.
 from __future__ import annotations
 
 import sys
-import threading
 from pathlib import Path
 
 from kvprof import system
-from kvprof.errors import EX_UNAVAILABLE, KvprofError
-from kvprof.record import RecordOptions, record
+from kvprof.record import BackgroundRecorder, RecordOptions
 from kvprof.snapshot import Clock
 from kvprof.store import open_replay, session_info
 
-ATTACH_TIMEOUT_S = 60.0
 
 
 def run_replay(source: str, interval_s: float = 0.5, window_s: float | None = None) -> int:
@@ -36,55 +33,12 @@ def run_replay(source: str, interval_s: float = 0.5, window_s: float | None = No
         con.close()
 
 
-class LiveRecorder:
-    """`record()` in a thread, stopped by our event; hands over the store once attached."""
-
-    def __init__(self, opts: RecordOptions):
-        self.opts = opts
-        self.stop = threading.Event()
-        self.ready = threading.Event()
-        self.store = None
-        self.error: BaseException | None = None
-        self.log: list[str] = []
-        self._thread = threading.Thread(target=self._run, name="kvprof-top-record", daemon=True)
-
-    def _started(self, store) -> None:
-        self.store = store
-        self.ready.set()
-
-    def _run(self) -> None:
-        try:
-            record(self.opts, log=self.log.append, stop=self.stop, on_start=self._started)
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread
-            self.error = e
-        finally:
-            self.ready.set()
-
-    def start(self) -> None:
-        self._thread.start()
-        if not self.ready.wait(ATTACH_TIMEOUT_S):
-            self.finish(ATTACH_TIMEOUT_S)
-            raise KvprofError(f"the recorder did not attach within {ATTACH_TIMEOUT_S:.0f} s",
-                              EX_UNAVAILABLE)
-        self._raise()
-
-    def finish(self, timeout: float | None = None) -> None:
-        self.stop.set()
-        self._thread.join(timeout)
-        self._raise()
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            err, self.error = self.error, None
-            raise err
-
-
 def run_live(opts: RecordOptions, interval_s: float = 0.5, window_s: float | None = 60.0) -> int:
     # Privilege first, before any screen is drawn: one line and exit 77, like record.
     system.require_privilege()
     from kvprof.ui.app import KvprofTop
 
-    rec = LiveRecorder(opts)
+    rec = BackgroundRecorder(opts)
     rec.start()
     try:
         cur = rec.store.con.cursor()
