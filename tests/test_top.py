@@ -302,7 +302,7 @@ def test_live_numbers_move_within_a_second_of_the_io(loopdev, tmp_path):
     name = f"kvprof-live-{os.getpid()}"
     out = tmp_path / "live"
     cmd = (f"cd {ROOT} && {' '.join(KVPROF)} top -d {loopdev} -o {out} "
-           f"--socket {tmp_path / 'm.sock'} --interval 0.2; echo $? > {tmp_path / 'rc'}; "
+           f"--socket {tmp_path / 'm.sock'}; echo $? > {tmp_path / 'rc'}; "
            "exec sleep 60")
     _tmux("new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd)
     try:
@@ -313,7 +313,8 @@ def test_live_numbers_move_within_a_second_of_the_io(loopdev, tmp_path):
         # No phase source: all of it is idle time; its write bandwidth appears on screen.
         screen = _screen_until(name, lambda s: "no I/O" not in s.split("╭─ idle")[1]
                                and "W " in s.split("╭─ idle")[1], timeout=5)
-        assert time.monotonic() - t_io < 1.5, screen
+        print(f"live: on screen {time.monotonic() - t_io:.2f} s after the I/O")
+        assert time.monotonic() - t_io < 1.0, screen
         _tmux("send-keys", "-t", name, "q")
         deadline = time.monotonic() + 30
         while not (tmp_path / "rc").exists() and time.monotonic() < deadline:
