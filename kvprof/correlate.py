@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import schema
-from kvprof.store import SessionInfo, session_info
+from kvprof.store import SessionInfo, phase_windows, session_info
 
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))
 MAIN_OPS = ("read", "write")
@@ -100,7 +100,7 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
     info = session_info(con)
     t0 = info.start_ns if t0 is None else t0
     t1 = info.end_ns if t1 is None else t1
-    windows = con.sql("SELECT start_ns, end_ns, phase, source FROM phase").to_arrow_table()
+    windows = phase_windows(con)
     ws, we, wp = flatten(windows, t0, t1)
     durations = (we - ws).astype(np.float64)
     total_s = max(t1 - t0, 0) / 1e9

@@ -164,6 +164,9 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             for src in (marks, *(s for _, s in sources)):
                 for table, rows in src.take().items():
                     store.append(table, rows)
+            now = time.monotonic_ns()
+            store.replace_open_windows([r for src in (marks, *(s for _, s in sources))
+                                        for r in src.open_rows(now)])
         capture.stop()
         end_ns = time.monotonic_ns()
         for src in (marks, *(s for _, s in sources)):
@@ -172,6 +175,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         for src in (marks, *(s for _, s in sources)):
             for table, rows in src.take().items():
                 store.append(table, rows)
+        store.replace_open_windows([])  # every window is closed now
         lost = capture.lost() | marks.counts()
         row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
                    sources=json.dumps([{"source": str(sp), **_status(src)}

@@ -140,8 +140,13 @@ ENGINE_METRIC = pa.schema(
 # Every session has these; the others came later and are absent from older recordings.
 CORE_TABLES = ("io", "phase", "session")
 
+# Windows still open at the last flush (a phase in progress), ending at that flush. Replaced
+# on every flush and emptied when the recording ends, so live views and a session cut short
+# by SIGKILL still see the phase that was running.
+PHASE_OPEN = PHASE
+
 TABLES = {"io": IO, "phase": PHASE, "session": SESSION, "gpu": GPU, "kv_event": KV_EVENT,
-          "engine_metric": ENGINE_METRIC}
+          "engine_metric": ENGINE_METRIC, "phase_open": PHASE_OPEN}
 
 _DUCK = {
     pa.string(): "VARCHAR",

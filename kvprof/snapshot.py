@@ -21,7 +21,7 @@ import pyarrow as pa
 from kvprof import schema
 from kvprof.correlate import busy_between, flatten, summarize
 from kvprof.findings import findings
-from kvprof.store import session_info
+from kvprof.store import phase_windows, session_info
 
 NS = 1_000_000_000
 WINDOWS_S: tuple[float | None, ...] = (10.0, 60.0, None)  # None: the whole session
@@ -240,7 +240,7 @@ def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_n
 
     # Phase pieces over the whole span any grid below touches, for the bins and the joins.
     span_t0 = min(t0, t1 - int(TIMELINE_S * NS)) if window_s is not None else t0
-    windows = con.sql("SELECT start_ns, end_ns, phase, source FROM phase").to_arrow_table()
+    windows = phase_windows(con)
     lo, hi = max(span_t0, info.start_ns), max(t1, info.start_ns + 1)
     ws, we, wp = flatten(windows, lo, hi)
     lookup_start = ws.copy()

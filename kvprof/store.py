@@ -50,6 +50,11 @@ class Store:
             self.con.unregister("_kvprof_batch")
         return data.num_rows
 
+    def replace_open_windows(self, rows: list[dict]) -> None:
+        self.con.execute("DELETE FROM phase_open")
+        if rows:
+            self.append("phase_open", pa.Table.from_pylist(rows, schema=schema.PHASE_OPEN))
+
     def write_session(self, row: dict) -> None:
         tbl = pa.Table.from_pylist([row], schema=schema.SESSION)
         self.con.execute("DELETE FROM session")
@@ -103,6 +108,16 @@ def open_session(session: str | Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
+def phase_windows(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    """Closed windows plus those still open at the last flush (absent in older sessions)."""
+    has_open = con.execute("SELECT count(*) FROM information_schema.tables "
+                           "WHERE table_name = 'phase_open'").fetchall()[0][0]
+    query = "SELECT start_ns, end_ns, phase, source FROM phase"
+    if has_open:
+        query += " UNION ALL SELECT start_ns, end_ns, phase, source FROM phase_open"
+    return con.sql(query).to_arrow_table()
+
+
 def session_info(con: duckdb.DuckDBPyConnection) -> SessionInfo:
     rows = con.sql("SELECT * FROM session").to_arrow_table().to_pylist()
     if not rows:
@@ -112,9 +127,9 @@ def session_info(con: duckdb.DuckDBPyConnection) -> SessionInfo:
     if end is None or end == 0:
         # A recording that was killed before it finished: the data is still there, so
         # end the session at the last thing it saw.
-        last = con.execute("SELECT greatest(coalesce(max(complete_ns),0), "
-                           "coalesce((SELECT max(end_ns) FROM phase),0)) FROM io").fetchall()[0][0]
-        end = max(int(last or 0), r["start_ns"])
+        last_io = con.execute("SELECT max(complete_ns) FROM io").fetchall()[0][0]
+        ends = phase_windows(con)["end_ns"].to_pylist()
+        end = max(int(last_io or 0), max(ends, default=0), r["start_ns"])
     return SessionInfo(
         session_id=r["session_id"], host=r["host"], kernel=r["kernel"],
         kvprof_version=r["kvprof_version"], bcc_version=r["bcc_version"],

@@ -77,6 +77,17 @@ def test_transitions_make_back_to_back_windows_per_engine():
     assert b.take() is None
 
 
+def test_open_windows_are_shown_up_to_now_and_kept_open():
+    b = WindowBuilder()
+    b.add(decode(b'{"v":1,"phase":"decode","ts_ns":100,"engine":"e"}'))
+    assert [(r["start_ns"], r["end_ns"], r["phase"]) for r in b.open_rows(250)] == \
+        [(100, 250, "decode")]
+    assert b.take() is None  # still open: nothing closed yet
+    b.add(decode(b'{"v":1,"phase":"idle","ts_ns":300,"engine":"e"}'))
+    assert b.open_rows(400) == []
+    assert [(r["start_ns"], r["end_ns"]) for r in b.take().to_pylist()] == [(100, 300)]
+
+
 def test_builder_rows_match_the_phase_schema():
     b = WindowBuilder()
     b.add(decode(b'{"v":1,"phase":"mixed","start_ns":1,"end_ns":9}'))

@@ -16,6 +16,7 @@ from kvprof.export import export_parquet
 from kvprof.findings import findings, phase_finding
 from kvprof.report import to_text
 from kvprof.snapshot import Clock, Filters, build_snapshot
+from kvprof import schema
 from kvprof.store import open_replay, session_info
 from tests.conftest import KVPROF, live, run_kvprof
 
@@ -201,8 +202,7 @@ def test_pilot_export_writes_parquet_off_the_ui_thread(sample, tmp_path):
 
     asyncio.run(run())
     assert sorted(p.name for p in (tmp_path / "pq").iterdir()) == sorted(
-        ["io.parquet", "phase.parquet", "session.parquet", "gpu.parquet", "kv_event.parquet",
-         "engine_metric.parquet"])
+        f"{table}.parquet" for table in schema.TABLES)
 
 
 def test_command_palette_lists_the_actions(sample):

@@ -40,6 +40,11 @@ class PhaseSource:
     def close(self, end_ns: int) -> None:
         """Close open windows at end_ns (called once, after the thread stopped)."""
 
+    def open_rows(self, now_ns: int) -> list[dict]:
+        """Phase rows of windows still open, ending at now_ns; sources that keep a window
+        open between polls override this so live views see the phase in progress."""
+        return []
+
     def emit(self, table: str, row: dict) -> None:
         self._rows[table].append(row)
 

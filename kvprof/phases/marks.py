@@ -107,6 +107,11 @@ class WindowBuilder:
         if m.phase != "idle":
             self.open[key] = m
 
+    def open_rows(self, now_ns: int) -> list[dict]:
+        """The open windows as rows ending now (not consumed: they go on)."""
+        return [self._row(m, m.ts_ns, now_ns) for m in self.open.values()
+                if now_ns > m.ts_ns]  # type: ignore[operator]
+
     def close_all(self, end_ns: int) -> None:
         for m in self.open.values():
             if end_ns > m.ts_ns:  # type: ignore[operator]
@@ -188,6 +193,10 @@ class MarkServer:
         with self._lock:
             rows = self.builder.take()
         return {"phase": rows} if rows is not None else {}
+
+    def open_rows(self, now_ns: int) -> list[dict]:
+        with self._lock:
+            return self.builder.open_rows(now_ns)
 
     def counts(self) -> dict[str, int]:
         with self._lock:
