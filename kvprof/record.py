@@ -24,6 +24,7 @@ from kvprof.phases import registry
 from kvprof.store import DB_FILE, Store
 
 FLUSH_INTERVAL_S = 0.25
+LOST_EVERY = 4  # flushes between updates of the session row's loss counts
 
 
 @dataclass
@@ -154,6 +155,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         log(f"Tracing {'+'.join(opts.layers)} I/O on {what}; marks on {marks.path}; "
             f"session {out}. Hit Ctrl-C to end.")
         deadline = None if opts.duration_s is None else time.monotonic() + opts.duration_s
+        flushes = 0
         while not stop.is_set():
             timeout = FLUSH_INTERVAL_S
             if deadline is not None:
@@ -167,6 +169,10 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             now = time.monotonic_ns()
             store.replace_open_windows([r for src in (marks, *(s for _, s in sources))
                                         for r in src.open_rows(now)])
+            flushes += 1
+            if flushes % LOST_EVERY == 0:  # live views show losses while they happen
+                row.update(lost=json.dumps(capture.lost() | marks.counts()))
+                store.write_session(row)
         capture.stop()
         end_ns = time.monotonic_ns()
         for src in (marks, *(s for _, s in sources)):
