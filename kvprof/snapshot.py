@@ -166,6 +166,21 @@ def _binned(cur, lookup: pa.Table, t0: int, t1: int, bin_ns: int, nbins: int,
     return out
 
 
+def _timeline_bytes(cur, t0: int, t1: int, bin_ns: int, io_filter: str) -> np.ndarray:
+    """Bytes per timeline bin. The device sees each byte once and io_uring rows repeat block
+    ones, so block rows count, or io_uring rows when the session has no block rows."""
+    cond = f"issue_ns >= {t0} AND issue_ns < {t1}" + (f" AND ({io_filter})" if io_filter else "")
+    rows = cur.execute(f"""
+        SELECT layer, (issue_ns - {t0}) // {bin_ns} AS b, sum(bytes)::UBIGINT
+        FROM io WHERE {cond} GROUP BY ALL""").fetchall()
+    use = "block" if any(layer == "block" for layer, _, _ in rows) else "io_uring"
+    total = np.zeros(TIMELINE_BINS, np.int64)
+    for layer, b, nbytes in rows:
+        if layer == use and 0 <= b < TIMELINE_BINS:
+            total[int(b)] += int(nbytes or 0)
+    return total
+
+
 def _phase_time(ws, we, wp, edges: np.ndarray) -> dict[str, np.ndarray]:
     """Phase -> ns of that phase inside each bin; one phase's pieces are disjoint islands."""
     return {p: busy_between(ws[wp == p], we[wp == p], edges[:-1], edges[1:])
@@ -248,7 +263,7 @@ def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_n
         lookup_start[0] = np.iinfo(np.int64).min
     lookup = pa.table({"w_start": lookup_start, "w_phase": wp.astype(str)})
 
-    # Per-second rates inside the window.
+    # Per-second rates inside the window, by phase.
     nrate = max(1, math.ceil((t1 - t0) / RATE_BIN_NS))
     rate_edges = t0 + np.arange(nrate + 1, dtype=np.int64) * RATE_BIN_NS
     rate_edges[-1] = t1
@@ -257,16 +272,13 @@ def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_n
     phases = tuple(_phase_stats(p, summary["phases"][p], per_bin, ptime[p])
                    for p in schema.PHASES)
 
-    # Timeline: the last minute, or the whole session when that is the window.
+    # Timeline: the last minute, or the whole session when that is the window. Its bars are
+    # total bytes per bin and its bands come from the windows, so no join with the phases:
+    # a plain aggregate over the minute's rows.
     tl_t0 = span_t0
     bin_ns = max(1, math.ceil((t1 - tl_t0) / TIMELINE_BINS))
     edges = tl_t0 + np.arange(TIMELINE_BINS + 1, dtype=np.int64) * bin_ns
-    tl_bytes = _binned(con, lookup, tl_t0, t1, bin_ns, TIMELINE_BINS, io_filter)
-    # The device sees each byte once; io_uring rows repeat block ones, so count block only
-    # unless this session has no block rows.
-    layers = {k[1] for k in tl_bytes}
-    use = "block" if "block" in layers else "io_uring"
-    total = sum((v for k, v in tl_bytes.items() if k[1] == use), np.zeros(TIMELINE_BINS, np.int64))
+    total = _timeline_bytes(con, tl_t0, t1, bin_ns, io_filter)
     tl_time = _phase_time(ws, we, wp, edges)
     stacked = np.vstack([tl_time[p] for p in schema.PHASES])
     timeline = []
@@ -279,8 +291,9 @@ def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_n
                                                           if io_filter else "")
     recent = con.execute(f"SELECT count(*) FROM io WHERE {cond}").fetchall()[0][0]
     devices = tuple(dict.fromkeys([d["name"] for d in info.devices] + [
-        r[0] for r in con.execute("SELECT DISTINCT dev_name FROM io WHERE dev_name <> '' "
-                                  "ORDER BY 1").fetchall()]))
+        r[0] for r in con.execute(  # the window's devices: a live session grows without end
+            f"SELECT DISTINCT dev_name FROM io WHERE issue_ns >= {t0} AND issue_ns < {t1} "
+            "AND dev_name <> '' ORDER BY 1").fetchall()]))
     procs = tuple((int(t), str(c)) for t, c, _ in con.execute(f"""
         SELECT tgid, any_value(comm), count(*) FROM io
         WHERE issue_ns >= {t0} AND issue_ns < {t1} GROUP BY tgid ORDER BY 3 DESC, 1
