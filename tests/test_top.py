@@ -238,6 +238,37 @@ def test_screen_snapshot(snap_compare, sample, size):
     assert snap_compare(app, terminal_size=size, run_before=ready)
 
 
+def _panel_app(widget):
+    from textual.app import App
+
+    class Panel(App):
+        def compose(self):
+            yield widget
+
+    return Panel()
+
+
+@pytest.mark.parametrize("panel,size", [("header", (80, 3)), ("timeline", (80, 6)),
+                                        ("prefill", (26, 16)), ("decode", (26, 16)),
+                                        ("mixed", (26, 16)), ("idle", (26, 16)),
+                                        ("gpu", (80, 2)), ("findings", (80, 5))])
+def test_panel_snapshot(snap_compare, sample, panel, size):
+    """Each panel alone, on the sample paused at its end (a frozen clock)."""
+    from kvprof.ui.app import FindingsLine, GpuLine, HeaderBar, PhasePanel, Timeline
+
+    con, info = sample
+    snap = build_snapshot(con, None, info.end_ns)
+    widget = {"header": HeaderBar, "timeline": Timeline, "gpu": GpuLine,
+              "findings": FindingsLine}.get(panel, lambda: PhasePanel(panel))()
+    app = _panel_app(widget)
+
+    async def ready(pilot):
+        widget.snapshot = snap
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=size, run_before=ready)
+
+
 # -- a real terminal ------------------------------------------------------------------------------
 
 def _tmux(*args: str) -> str:
