@@ -712,3 +712,17 @@ def test_zz_report_measured_boundary_errors(capsys):
             starts, ends = [e[0] for e in errs], [e[1] for e in errs]
             print(f"\n{test}: {len(errs)} windows; start error {min(starts):+.3f}..{max(starts):+.3f}"
                   f" s, end error {min(ends):+.3f}..{max(ends):+.3f} s")
+
+
+def test_open_window_is_visible_before_it_closes():
+    """Live views read the window in progress; it is not consumed and closes as usual."""
+    src = SglangMetrics("http://127.0.0.1:1/metrics")
+    for i, n in enumerate((0, 100, 250)):
+        src.ingest(i * S, [_s("sglang:realtime_tokens_total", n, mode="prefill_compute"),
+                           _s("sglang:realtime_tokens_total", 0, mode="decode")])
+    assert "phase" not in src.take()
+    (row,) = src.open_rows(10 * S)
+    assert (row["phase"], row["start_ns"], row["end_ns"], row["prefill_tokens"]) == \
+        ("prefill", 0, 2 * S, 250)  # up to the last scrape, not to "now"
+    src.close(3 * S)
+    assert _brief(src.take()["phase"].to_pylist()) == [("prefill", 0, 2, 250, 0)]

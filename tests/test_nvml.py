@@ -315,6 +315,7 @@ def test_tracker_hands_back_only_closed_windows_and_close_cuts_at_end():
     assert tracker.feed(gpu_row(100, **PREFILL)) == []
     assert tracker.feed(gpu_row(200, **PREFILL)) == []
     assert spans(tracker.feed(gpu_row(300, **DECODE))) == [(0, 200, "prefill")]
+    assert spans(tracker.open_rows()) == [(200, 300, "decode")]  # shown, still open
     assert tracker.feed(gpu_row(250, **PREFILL)) == []  # older than the last row: ignored
     assert spans(tracker.close(260 * MS)) == [(200, 260, "decode")]
     assert tracker.close(1000 * MS) == []

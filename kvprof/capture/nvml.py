@@ -236,6 +236,11 @@ class NvmlSampler(PhaseSource):
             return []  # NVML's way of saying "no sample newer than since_us"
 
     # -- the end ------------------------------------------------------------------------------
+    def open_rows(self, now_ns: int) -> list[dict]:
+        # Read from the recorder's thread while poll() feeds the tracker: dict and row reads
+        # are atomic under the GIL, and a window caught mid-update is at worst one sample old.
+        return self._windows.open_rows()
+
     def close(self, end_ns: int) -> None:
         if self._closed:
             return

@@ -529,6 +529,17 @@ class MetricsSource(PhaseSource):
         """The engine name of a series, from its labels."""
         return self.engine_of()
 
+    def open_rows(self, now_ns: int) -> list[dict]:
+        """Each engine's open window up to its last scrape (not now: what came after that
+        scrape is not known yet). Read from the recorder's thread while poll() runs; taking
+        the values in one C-level list() is atomic under the GIL."""
+        rows = []
+        for track in list(self._tracks.values()):
+            w = track.open
+            if w is not None and w.end_ns > w.start_ns:
+                rows.append(track._row(w))
+        return rows
+
     def close(self, end_ns: int) -> None:
         # A held busy span has no verdict yet; windows end at the last scrape that saw them.
         self._end_all(end_ns)

@@ -184,6 +184,16 @@ class WindowTracker:
         st.open = None
         return [row] if row is not None else []
 
+    def open_rows(self) -> list[dict]:
+        """Open windows up to their last row, left open (for live views)."""
+        rows = []
+        for gpu, st in list(self._gpus.items()):
+            w = st.open
+            row = w.row(gpu, w.end_ns) if w is not None else None
+            if row is not None:
+                rows.append(row)
+        return rows
+
     def end_gpu(self, gpu: int) -> list[dict]:
         """Close a GPU's open window at its last row (it stopped answering)."""
         st = self._gpus.get(gpu)
