@@ -39,11 +39,15 @@ def test_per_phase_block_numbers_equal_sys_block_stat(loopdev, start_recorder):
     p, d = report["phases"]["prefill"]["block"], report["phases"]["decode"]["block"]
 
     assert prefill[WRITE_SECTORS] * 512 == 24 << 20 and decode[READ_IOS] == 1500
+    # on failure, where every read and write went, and what the kernel counted
+    seen = ({ph: (v["block"]["read"]["ios"], v["block"]["write"]["ios"])
+             for ph, v in report["phases"].items()}, prefill[:8], decode[:8],
+            report["session"]["lost_by_reason"])
     if report["session"]["lost_events"] == 0:
-        assert p["write"]["ios"] == prefill[WRITE_IOS] > 0
-        assert p["write"]["bytes"] == prefill[WRITE_SECTORS] * 512
-        assert p["read"]["ios"] == prefill[READ_IOS]
-        assert d["read"]["ios"] == decode[READ_IOS]
+        assert p["write"]["ios"] == prefill[WRITE_IOS] > 0, seen
+        assert p["write"]["bytes"] == prefill[WRITE_SECTORS] * 512, seen
+        assert p["read"]["ios"] == prefill[READ_IOS], seen
+        assert d["read"]["ios"] == decode[READ_IOS], seen
         assert d["read"]["bytes"] == decode[READ_SECTORS] * 512
         assert d["read"]["size_hist"] == {"4096": 1500}
     else:  # only what kvprof itself reports as lost may be missing
@@ -229,7 +233,7 @@ def test_sigterm_and_sigkill_leave_a_readable_session(loopdev, start_recorder):
     rec.stop(signal.SIGKILL)
     report = rec.report()
     assert report["session"]["status"] == "recording"
-    assert report["phases"]["decode"]["time_s"] >= 0.75
+    assert report["phases"]["decode"]["time_s"] >= 0.5  # up to the last flush before the kill
     assert report["phases"]["decode"]["block"]["write"]["ios"] == stat_delta(s0, s1)[WRITE_IOS]
 
 
