@@ -2,7 +2,6 @@
 attaches and by `kvprof doctor`; nothing here imports bcc."""
 from __future__ import annotations
 
-import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +143,3 @@ def require_headers() -> None:
     if not c.ok:
         raise KvprofError(f"no kernel headers for {platform.release()}; fix: {c.fix}",
                           EX_UNAVAILABLE)
-
-
-def is_root() -> bool:
-    return os.geteuid() == 0

@@ -38,7 +38,6 @@ class RingReader:
         self._prod = mmap.mmap(map_fd, page + 2 * data_size, mmap.MAP_SHARED, mmap.PROT_READ,
                                offset=page)
         self._data_off = page
-        self.discarded = 0
 
     def _positions(self) -> tuple[int, int]:
         (cons,) = struct.unpack_from("<Q", self._cons, 0)
@@ -61,8 +60,9 @@ class RingReader:
             # A producer has reserved this record but not committed it yet: stop before it.
             n = int(busy[0])
             recs, lens = recs[:n], lens[:n]
+        # kvprof's probes never discard (they use ringbuf_output), but a discarded record
+        # would still take its space, so skip it rather than read it.
         keep = (lens & DISCARD_BIT) == 0
-        self.discarded += int(n - keep.sum())
         out = recs["ev"][keep].copy()
         if n:
             struct.pack_into("<Q", self._cons, 0, cons + n * self.rec_size)

@@ -7,7 +7,6 @@ cover the same time, correlate keeps the most exact (hook > metrics > nvml).
 from __future__ import annotations
 
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,7 +138,3 @@ def build(spec: SourceSpec):
 
         return NvmlSampler()
     raise KvprofError(f"phase source {spec.kind} cannot be built", EX_USAGE)
-
-
-def describe(specs: list[SourceSpec]) -> str:
-    return ", ".join(["marks", *(shlex.quote(str(s)) for s in specs)])
