@@ -93,6 +93,11 @@ TRACEPOINT_PROBE(block, block_rq_insert)
     struct block_key k = {};
     k.dev = dev;
     k.sector = args->sector;
+    struct block_start *found = block_start_map.lookup(&k);
+    if (found && !found->issue_ns)
+        return 0; /* inserted again before issue (a requeue): keep the first insert */
+    if (found)
+        kvprof_count(KVPROF_LOST_BLOCK_NOT_SEEN);
     track(&k, args->bytes, args->rwbs, bpf_ktime_get_ns(), 0);
     return 0;
 }
@@ -107,14 +112,28 @@ TRACEPOINT_PROBE(block, block_rq_issue)
     k.sector = args->sector;
     u64 now = bpf_ktime_get_ns();
     struct block_start *found = block_start_map.lookup(&k);
-    if (found) {
+    if (found && !found->issue_ns) {
         /* Merges after insert can grow the request: the issued size is the real one. */
         found->issue_ns = now;
         found->bytes = args->bytes;
         return 0;
     }
+    if (found) /* issued before and its completion never seen: start afresh */
+        kvprof_count(KVPROF_LOST_BLOCK_NOT_SEEN);
     /* Not inserted first: it went straight to the driver. */
     track(&k, args->bytes, args->rwbs, 0, now);
+    return 0;
+}
+
+/* A requeued request is issued again: not a new request, and no completion was missed. */
+TRACEPOINT_PROBE(block, block_rq_requeue)
+{
+    struct block_key k = {};
+    k.dev = args->dev;
+    k.sector = args->sector;
+    struct block_start *found = block_start_map.lookup(&k);
+    if (found)
+        found->issue_ns = 0;
     return 0;
 }
 

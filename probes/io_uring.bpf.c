@@ -36,6 +36,8 @@ TRACEPOINT_PROBE(io_uring, io_uring_submit_req)
     if (!kvprof_task_allowed(tgid))
         return 0;
     u64 key = (u64)args->req;
+    if (uring_start_map.lookup(&key))
+        kvprof_count(KVPROF_LOST_URING_NOT_SEEN); /* req reused: its completion was skipped */
     struct uring_start v = {};
     v.submit_ns = bpf_ktime_get_ns();
     v.ctx = (u64)args->ctx;

@@ -24,6 +24,11 @@
 /* Indexes into the per-CPU counters array. */
 #define KVPROF_LOST_RINGBUF 0
 #define KVPROF_LOST_BLOCK_UNMATCHED 1
+/* A request seen again (issued, or its req reused) while we still held it as in flight: the
+ * kernel skipped our completion probe, as it skips any BPF program that would run while
+ * another one runs on that CPU (e.g. a completion interrupt during a submit probe). */
+#define KVPROF_LOST_BLOCK_NOT_SEEN 2
+#define KVPROF_LOST_URING_NOT_SEEN 3
 #define KVPROF_NCOUNTERS 4
 
 #ifndef KVPROF_RINGBUF_PAGES

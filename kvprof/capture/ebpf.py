@@ -44,7 +44,10 @@ assert EVENT_DTYPE.itemsize == 96
 
 HEADER = "kvprof.h"
 PROBE_FILES = {"block": "block.bpf.c", "io_uring": "io_uring.bpf.c"}
-COUNTER_NAMES = {0: "ringbuf_reserve_failed", 1: "block_unmatched_completion"}
+COUNTER_NAMES = {0: "ringbuf_reserve_failed", 1: "block_unmatched_completion",
+                 2: "block_completion_not_seen", 3: "io_uring_completion_not_seen"}
+START_MAPS = {"block": ("block_start_map", "block_completion_not_seen"),
+              "io_uring": ("uring_start_map", "io_uring_completion_not_seen")}
 DRAIN_INTERVAL_S = 0.02
 # 16 MiB: about 170 k events, most of a second at 250 k events/s, so a pause of the Python
 # side (a store flush holding the GIL) does not overflow the ring.
@@ -151,7 +154,15 @@ class Capture:
         # Let in-flight requests complete so their events are emitted before detaching.
         time.sleep(0.05)
         self._drain()
-        self._lost_final = self.lost()
+        lost = self.lost()
+        # Requests still held as in flight were never seen completing: skipped completion
+        # probes, or I/O in flight at the moment of detaching. Either way, not recorded.
+        for layer in self.layers:
+            table, reason = START_MAPS[layer]
+            held = sum(1 for _, v in self.bpf[table].items()
+                       if not getattr(v, "flags", 0) & FLAG_FILTERED)
+            lost[reason] = lost.get(reason, 0) + held
+        self._lost_final = lost
         self._ring.close()
         self.bpf.cleanup()
 
@@ -215,6 +226,8 @@ class Capture:
         }
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO], schema=schema.IO)
 
+
+FLAG_FILTERED = 1 << 15  # KVPROF_FL_FILTERED: entries of tasks the filters leave out
 
 BPF_OBJ_GET_INFO_BY_FD = 15
 SYS_BPF = {"x86_64": 321, "aarch64": 280}
