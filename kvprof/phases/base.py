@@ -48,8 +48,9 @@ class PhaseSource:
     def emit(self, table: str, row: dict) -> None:
         self._rows[table].append(row)
 
-    def problem(self, kind: str, detail: str = "") -> None:
-        self._problems[kind] += 1
+    def problem(self, kind: str, detail: str = "", n: int = 1) -> None:
+        """Count n occurrences (a sequence gap of 5 is 5 messages lost, not one event)."""
+        self._problems[kind] += n
         self.last_error = f"{kind}: {detail}" if detail else kind
 
     @property

@@ -75,13 +75,6 @@ class ZmqSubSource(PhaseSource):
         self._poller: zmq.Poller | None = None
         self._last_seq: dict[bytes, int] = {}
 
-    # -- counting ---------------------------------------------------------------------------
-    def count(self, kind: str, n: int, detail: str = "") -> None:
-        """Like problem(), but adds n: a gap of 5 is 5 messages lost, not one event."""
-        self.problem(kind, detail)
-        if n > 1:
-            self._problems[kind] += n - 1
-
     def _check_seq(self, topic: bytes, seq: int) -> None:
         last = self._last_seq.get(topic)
         self._last_seq[topic] = seq
@@ -90,7 +83,7 @@ class ZmqSubSource(PhaseSource):
         if seq <= last:
             self.restarts += 1
         elif seq > last + 1:
-            self.count("gap", seq - last - 1, f"seq {last} -> {seq} on {self.endpoint}")
+            self.problem("gap", f"seq {last} -> {seq} on {self.endpoint}", n=seq - last - 1)
 
     # -- socket -----------------------------------------------------------------------------
     def _open(self) -> None:
