@@ -7,12 +7,14 @@ the later-starting window.
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
 from kvprof import schema
+from kvprof.iocache import IoCache, Rows
 from kvprof.store import SessionInfo, phase_windows, session_info
 
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))
@@ -61,6 +63,19 @@ def busy_islands(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.nda
     return s[np.r_[True, brk]], run[np.r_[brk, True]]
 
 
+def busy_islands_ordered(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """busy_islands without the sort, for intervals listed in issue order (start <= issue <=
+    end). A gap in the union splits the list into a prefix ending before it and a suffix
+    starting after it, so islands break where the suffix's earliest start passes the
+    prefix's latest end."""
+    if len(start) == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    run = np.maximum.accumulate(end)
+    suffix_min = np.minimum.accumulate(start[::-1])[::-1]
+    brk = suffix_min[1:] > run[:-1]
+    return suffix_min[np.r_[True, brk]], run[np.r_[brk, True]]
+
+
 def busy_between(isl_s: np.ndarray, isl_e: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Busy ns inside each [a, b), from a cumulative busy-time function over the islands."""
     if len(isl_s) == 0:
@@ -91,12 +106,33 @@ def _op_entry(bytes_: int, ios: int, time_s: float) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class Filters:
+    """Which I/O a view counts: one device, one process (tgid), or all."""
+    device: str | None = None
+    tgid: int | None = None
+
+    def sql(self) -> str:
+        conds = []
+        if self.device is not None:
+            conds.append("dev_name = '" + self.device.replace("'", "''") + "'")
+        if self.tgid is not None:
+            conds.append(f"tgid = {int(self.tgid)}")
+        return " AND ".join(conds)
+
+    def label(self) -> str:
+        parts = [f"dev {self.device}" if self.device else "", f"pid {self.tgid}" if self.tgid
+                 is not None else ""]
+        return ", ".join(p for p in parts if p) or "all I/O"
+
+
 def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
-              t1: int | None = None, io_filter: str = "") -> dict:
+              t1: int | None = None, filters: Filters = Filters(),
+              cache: IoCache | None = None) -> dict:
     """The report as a dict; its shape is documented in the README and kept stable.
 
-    `io_filter` is an SQL condition on io columns (the dashboard's device/process filter),
-    built by the caller from quoted values; empty keeps every I/O."""
+    With a `cache` that holds the window (the live dashboard's), the I/O rows come from it
+    instead of SQL; the numbers are the same either way."""
     info = session_info(con)
     t0 = info.start_ns if t0 is None else t0
     t1 = info.end_ns if t1 is None else t1
@@ -117,34 +153,17 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
             "io_uring": {op: _op_entry(0, 0, time_s) for op in MAIN_OPS},
         }
 
-    # Window lookup table for the ASOF join. The first piece reaches back to the start of
-    # time so an I/O issued between attaching and the session's first timestamp still lands.
-    lookup_start = ws.copy()
-    if len(lookup_start):
-        lookup_start[0] = np.iinfo(np.int64).min
-    con.register("_kv_windows", pa.table({"w_start": lookup_start, "w_phase": wp.astype(str)}))
-    conds = [] if (t0 == info.start_ns and t1 == info.end_ns) else \
-        [f"issue_ns >= {int(t0)} AND issue_ns < {int(t1)}"]
-    if io_filter:
-        conds.append(f"({io_filter})")
-    bounds = ("WHERE " + " AND ".join(conds)) if conds else ""
-    con.execute(f"""
-        CREATE OR REPLACE TEMP VIEW _kv_io AS
-        SELECT io.*, w.w_phase AS phase,
-               complete_ns - CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END AS total_ns,
-               CASE WHEN insert_ns > 0 THEN issue_ns - insert_ns ELSE 0 END AS queue_ns,
-               complete_ns - issue_ns AS device_ns
-        FROM (SELECT * FROM io {bounds}) io
-        ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start""")
-    qs = "[" + ", ".join(str(q) for _, q in QUANTILES) + "]"
-    # One pass over the joined rows: counts, exact quantiles and both log2 histograms.
-    stats = con.execute(f"""
-        SELECT phase, layer, op, count(*), sum(bytes)::UBIGINT,
-               quantile_cont(total_ns / 1e3, {qs}), quantile_cont(queue_ns / 1e3, {qs}),
-               quantile_cont(device_ns / 1e3, {qs}),
-               histogram(2 ** floor(log2(greatest(bytes, 1)))::UBIGINT),
-               histogram(2 ** floor(log2(greatest(total_ns / 1e3, 1)))::UBIGINT)
-        FROM _kv_io GROUP BY ALL""").fetchall()
+    if cache is not None and cache.covers(t0):
+        # The whole session also counts rows issued outside its bounds, as the SQL does.
+        whole = t0 == info.start_ns and t1 == info.end_ns
+        lo, hi = (np.iinfo(np.int64).min, np.iinfo(np.int64).max) if whole else (t0, t1)
+        rows = cache.rows(lo, hi, filters.device, filters.tgid)
+        stats = _stats_of_rows(rows, ws, wp)
+        spans = _block_spans_of_rows(rows, cache.dev_names)
+    else:
+        bounds = _bounds(info, t0, t1, filters)
+        stats = _stats_sql(con, bounds, ws, wp)
+        spans = _block_spans_sql(con, bounds)
     for p, layer, op, ios, nbytes, lat, queue, dev, sizes, lats in stats:
         entry = phases[p][layer].setdefault(op, _op_entry(0, 0, phases[p]["time_s"]))
         entry.update(_op_entry(nbytes or 0, ios, phases[p]["time_s"]))
@@ -153,8 +172,7 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
         for key, hist in (("size_hist", sizes), ("latency_hist_us", lats)):
             entry[key] = {str(int(b)): int(n) for b, n in sorted(dict(hist).items())}
 
-    _idle(con, info, phases, ws, we, wp, bounds)
-    con.unregister("_kv_windows")
+    _idle(info, phases, ws, we, wp, *spans)
     lost = {k: int(v) for k, v in info.lost.items()}
     return {
         "session": {
@@ -176,10 +194,101 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
     }
 
 
-def _idle(con, info: SessionInfo, phases: dict, ws, we, wp, bounds: str) -> None:
-    """Per phase, the share of its time with no block request in flight: per device and on
-    all traced devices together. In flight = from insert (or issue, when the request skipped
-    the queue) to completion, the span the kernel's io_ticks also covers."""
+def _bounds(info: SessionInfo, t0: int, t1: int, filters: Filters) -> str:
+    """WHERE clause picking the window's I/O by issue time, and the filter."""
+    conds = [] if (t0 == info.start_ns and t1 == info.end_ns) else \
+        [f"issue_ns >= {int(t0)} AND issue_ns < {int(t1)}"]
+    if filters.sql():
+        conds.append(f"({filters.sql()})")
+    return ("WHERE " + " AND ".join(conds)) if conds else ""
+
+
+def _stats_sql(con, bounds: str, ws, wp) -> list[tuple]:
+    """Per (phase, layer, op): ios, bytes, quantiles of total/queue/device time, histograms."""
+    # Window lookup table for the ASOF join. The first piece reaches back to the start of
+    # time so an I/O issued between attaching and the session's first timestamp still lands.
+    lookup_start = ws.copy()
+    if len(lookup_start):
+        lookup_start[0] = np.iinfo(np.int64).min
+    con.register("_kv_windows", pa.table({"w_start": lookup_start, "w_phase": wp.astype(str)}))
+    try:
+        con.execute(f"""
+            CREATE OR REPLACE TEMP VIEW _kv_io AS
+            SELECT io.*, w.w_phase AS phase,
+                   complete_ns - CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END
+                       AS total_ns,
+                   CASE WHEN insert_ns > 0 THEN issue_ns - insert_ns ELSE 0 END AS queue_ns,
+                   complete_ns - issue_ns AS device_ns
+            FROM (SELECT * FROM io {bounds}) io
+            ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start""")
+        qs = "[" + ", ".join(str(q) for _, q in QUANTILES) + "]"
+        # One pass over the joined rows: counts, exact quantiles and both log2 histograms.
+        return con.execute(f"""
+            SELECT phase, layer, op, count(*), sum(bytes)::UBIGINT,
+                   quantile_cont(total_ns / 1e3, {qs}), quantile_cont(queue_ns / 1e3, {qs}),
+                   quantile_cont(device_ns / 1e3, {qs}),
+                   histogram(2 ** floor(log2(greatest(bytes, 1)))::UBIGINT),
+                   histogram(2 ** floor(log2(greatest(total_ns / 1e3, 1)))::UBIGINT)
+            FROM _kv_io GROUP BY ALL""").fetchall()
+    finally:
+        con.unregister("_kv_windows")
+
+
+def _quantiles_us(ns: np.ndarray) -> list[float]:
+    """quantile_cont of ns / 1e3: linear between the order statistics around (n-1)*q. The
+    division is monotonic, so the order statistics are picked on the integers."""
+    n = len(ns)
+    pos = [(n - 1) * q for _, q in QUANTILES]
+    kth = sorted({int(np.floor(r)) for r in pos} | {int(np.ceil(r)) for r in pos})
+    part = np.partition(ns, kth)
+    out = []
+    for r in pos:
+        lo, hi = int(np.floor(r)), int(np.ceil(r))
+        a, b = part[lo] / 1e3, part[hi] / 1e3
+        out.append(float(a + (r - lo) * (b - a)))
+    return out
+
+
+def _log2_bucket(values: np.ndarray) -> np.ndarray:
+    """floor(log2(max(v, 1))), exactly: frexp's exponent has no rounding to go wrong."""
+    return np.frexp(np.maximum(values, 1))[1].astype(np.int64) - 1
+
+
+def _stats_of_rows(rows: Rows, ws, wp) -> list[tuple]:
+    """What _stats_sql returns, from cached rows already in issue order."""
+    if len(rows) == 0:
+        return []
+    phase_code = np.array([schema.PHASES.index(p) for p in wp], np.int16)[rows.pieces(ws)]
+    nl, nops = len(schema.LAYERS), len(schema.OPS)
+    key = (phase_code * nl + rows.layer) * nops + rows.op
+    order = np.argsort(key, kind="stable")  # small ints: a radix sort
+    key = key[order]
+    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    ends = np.r_[first[1:], len(key)]
+    start, issue, complete = rows.start[order], rows.issue[order], rows.complete[order]
+    total, queue, device = complete - start, issue - start, complete - issue
+    nbytes = rows.bytes[order]
+    # Both log2 histograms of every group in one bincount each: row -> (group, bucket).
+    nb = 64
+    size_h = np.bincount(key.astype(np.int64) * nb + _log2_bucket(nbytes),
+                         minlength=(key[-1] + 1) * nb).reshape(-1, nb)
+    lat_h = np.bincount(key.astype(np.int64) * nb + _log2_bucket(total / 1e3),
+                        minlength=(key[-1] + 1) * nb).reshape(-1, nb)
+    out = []
+    for a, b in zip(first, ends):
+        k = int(key[a])
+        p, rest = divmod(k, nl * nops)
+        layer, op = divmod(rest, nops)
+        hists = [{2 ** int(u): int(h[k, u]) for u in np.flatnonzero(h[k])}
+                 for h in (size_h, lat_h)]
+        out.append((schema.PHASES[p], schema.LAYERS[layer], schema.OPS[op], int(b - a),
+                    int(nbytes[a:b].sum()), _quantiles_us(total[a:b]),
+                    _quantiles_us(queue[a:b]), _quantiles_us(device[a:b]), *hists))
+    return out
+
+
+def _block_spans_sql(con, bounds: str):
+    """(start, end, device code, device names, in issue order?) of the window's block rows."""
     tbl = con.sql(f"""
         SELECT dev_name, CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END AS s,
                complete_ns AS e
@@ -187,13 +296,27 @@ def _idle(con, info: SessionInfo, phases: dict, ws, we, wp, bounds: str) -> None
     # Device names as dictionary codes: comparing small ints, not a million Python strings.
     enc = tbl["dev_name"].combine_chunks().dictionary_encode()
     codes = enc.indices.to_numpy(zero_copy_only=False)
-    code_of = {name: i for i, name in enumerate(enc.dictionary.to_pylist())}
-    s = tbl["s"].to_numpy()
-    e = tbl["e"].to_numpy()
-    devices = [d["name"] for d in info.devices] or sorted(code_of)
+    return tbl["s"].to_numpy(), tbl["e"].to_numpy(), codes, enc.dictionary.to_pylist(), False
+
+
+def _block_spans_of_rows(rows: Rows, dev_names: list[str]):
+    block = rows.layer == schema.LAYERS.index(schema.LAYER_BLOCK)
+    return rows.start[block], rows.complete[block], rows.dev[block], dev_names, True
+
+
+def _idle(info: SessionInfo, phases: dict, ws, we, wp, s, e, codes, names,
+          issue_ordered: bool) -> None:
+    """Per phase, the share of its time with no block request in flight: per device and on
+    all traced devices together. In flight = from insert (or issue, when the request skipped
+    the queue) to completion, the span the kernel's io_ticks also covers."""
+    code_of = {name: i for i, name in enumerate(names)}
+    # Device codes are small ints (-1: none): which occur, by counting.
+    present = np.flatnonzero(np.bincount(codes.astype(np.int64) + 1)) - 1
+    devices = [d["name"] for d in info.devices] or sorted(names[c] for c in present if c >= 0)
+    islands = busy_islands_ordered if issue_ordered else busy_islands
 
     def idle_pct(mask) -> dict[str, float | None]:
-        isl_s, isl_e = busy_islands(s[mask], e[mask])
+        isl_s, isl_e = islands(s[mask], e[mask])
         busy = busy_between(isl_s, isl_e, ws, we)
         out = {}
         for p in schema.PHASES:
@@ -203,7 +326,9 @@ def _idle(con, info: SessionInfo, phases: dict, ws, we, wp, bounds: str) -> None
         return out
 
     overall = idle_pct(np.ones(len(s), bool))
-    per_dev = {d: idle_pct(codes == code_of.get(d, -1)) for d in devices}
+    # One device holding every row (the usual case) has the overall figures.
+    per_dev = {d: overall if len(present) == 1 and code_of.get(d) == present[0]
+               else idle_pct(codes == code_of.get(d, -2)) for d in devices}
     for p in schema.PHASES:
         phases[p]["block"]["time_idle_pct"] = overall[p]
         phases[p]["block"]["devices"] = {d: {"time_idle_pct": per_dev[d][p]} for d in devices}

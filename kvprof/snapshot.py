@@ -19,7 +19,8 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import schema
-from kvprof.correlate import busy_between, flatten, summarize
+from kvprof.correlate import Filters, busy_between, flatten, summarize
+from kvprof.iocache import IoCache
 from kvprof.findings import findings
 from kvprof.store import phase_windows, session_info
 
@@ -31,25 +32,6 @@ RATE_BIN_NS = NS  # "now" and "peak" bandwidth are per-second figures
 # A phase must fill this share of a rate bin for that bin to count: bytes over 10 ms of
 # phase time would read as an absurd rate.
 MIN_BIN_SHARE = 0.2
-
-
-@dataclass(frozen=True)
-class Filters:
-    device: str | None = None
-    tgid: int | None = None
-
-    def sql(self) -> str:
-        conds = []
-        if self.device is not None:
-            conds.append("dev_name = '" + self.device.replace("'", "''") + "'")
-        if self.tgid is not None:
-            conds.append(f"tgid = {int(self.tgid)}")
-        return " AND ".join(conds)
-
-    def label(self) -> str:
-        parts = [f"dev {self.device}" if self.device else "", f"pid {self.tgid}" if self.tgid
-                 is not None else ""]
-        return ", ".join(p for p in parts if p) or "all I/O"
 
 
 @dataclass(frozen=True)
@@ -181,6 +163,48 @@ def _timeline_bytes(cur, t0: int, t1: int, bin_ns: int, io_filter: str) -> np.nd
     return total
 
 
+def _binned_cached(cache: IoCache, ws, wp, t0: int, t1: int, bin_ns: int, nbins: int,
+                   filters: Filters) -> dict[tuple[str, str, str], np.ndarray]:
+    """_binned from the cache: the rows are in issue order, so the phase of each is the
+    piece it falls in, no join."""
+    r = cache.rows(t0, t1, filters.device, filters.tgid)
+    if nbins <= 0 or len(ws) == 0 or len(r) == 0:
+        return {}
+    nl, nops = len(schema.LAYERS), len(schema.OPS)
+    phase = np.array([schema.PHASES.index(p) for p in wp], np.int64)[r.pieces(ws)]
+    group = (phase * nl + r.layer) * nops + r.op
+    cell = group * nbins + np.minimum((r.issue - t0) // bin_ns, nbins - 1)
+    ngroups = len(schema.PHASES) * nl * nops
+    sums = np.bincount(cell, weights=r.bytes, minlength=ngroups * nbins).reshape(ngroups, nbins)
+    out = {}
+    for g in np.flatnonzero(np.bincount(group, minlength=ngroups)):
+        p, rest = divmod(int(g), nl * nops)
+        layer, op = divmod(rest, nops)
+        out[(schema.PHASES[p], schema.LAYERS[layer], schema.OPS[op])] = sums[g].astype(np.int64)
+    return out
+
+
+def _timeline_bytes_cached(cache: IoCache, t0: int, t1: int, bin_ns: int,
+                           filters: Filters) -> np.ndarray:
+    r = cache.rows(t0, t1, filters.device, filters.tgid)
+    block = r.layer == schema.LAYERS.index(schema.LAYER_BLOCK)
+    counted = np.where(block if block.any() else ~block, r.bytes, 0)
+    # Rows are in issue order: each bin is a contiguous run.
+    edges = np.searchsorted(r.issue, t0 + np.arange(TIMELINE_BINS + 1) * bin_ns)
+    cum = np.concatenate([[0], np.cumsum(counted)])
+    return (cum[edges[1:]] - cum[edges[:-1]]).astype(np.int64)
+
+
+def _choices_cached(cache: IoCache, t0: int, t1: int):
+    """The window's devices and its ten busiest processes, as the SQL picks them."""
+    r = cache.rows(t0, t1)
+    present = np.flatnonzero(np.bincount(r.dev.astype(np.int64) + 1)) - 1
+    devices = sorted(n for n in (cache.dev_names[c] for c in present if c >= 0) if n)
+    counts = np.bincount(r.proc)
+    top = sorted((-int(counts[c]), cache.tgids[c]) for c in np.flatnonzero(counts))[:10]
+    return devices, tuple((t, cache.comm.get(t, "")) for _, t in top)
+
+
 def _phase_time(ws, we, wp, edges: np.ndarray) -> dict[str, np.ndarray]:
     """Phase -> ns of that phase inside each bin; one phase's pieces are disjoint islands."""
     return {p: busy_between(ws[wp == p], we[wp == p], edges[:-1], edges[1:])
@@ -243,18 +267,38 @@ def _gpu(cur, tables: set[str], t0: int, t1: int) -> tuple[GpuStats | None, str]
     return GpuStats(int(row[0]), int(row[1]), *row[2:]), ""
 
 
+def _recent_sql(cur, t0: int, t1: int, io_filter: str):
+    """I/O in the last second, the window's devices (a live session grows without end) and
+    its ten busiest processes."""
+    cond = f"issue_ns >= {t1 - NS} AND issue_ns < {t1}" + (f" AND ({io_filter})"
+                                                          if io_filter else "")
+    recent = cur.execute(f"SELECT count(*) FROM io WHERE {cond}").fetchall()[0][0]
+    devices = [r[0] for r in cur.execute(
+        f"SELECT DISTINCT dev_name FROM io WHERE issue_ns >= {t0} AND issue_ns < {t1} "
+        "AND dev_name <> '' ORDER BY 1").fetchall()]
+    procs = tuple((int(t), str(c)) for t, c, _ in cur.execute(f"""
+        SELECT tgid, any_value(comm), count(*) FROM io
+        WHERE issue_ns >= {t0} AND issue_ns < {t1} GROUP BY tgid ORDER BY 3 DESC, 1
+        LIMIT 10""").fetchall())
+    return recent, devices, procs
+
+
 def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_ns: int,
-                   filters: Filters = Filters()) -> Snapshot:
-    """The dashboard's data for the window ending at `now_ns` (session clock)."""
+                   filters: Filters = Filters(), cache: IoCache | None = None) -> Snapshot:
+    """The dashboard's data for the window ending at `now_ns` (session clock). With a
+    `cache` (refreshed by the caller) that holds the span shown, the I/O rows come from it;
+    otherwise from SQL."""
     started = time.perf_counter()
     info = session_info(con)
     t0, t1 = window_bounds(info.start_ns, now_ns, window_s)
     io_filter = filters.sql()
-    summary = summarize(con, t0, t1, io_filter)
-    tables = _tables(con)
-
     # Phase pieces over the whole span any grid below touches, for the bins and the joins.
     span_t0 = min(t0, t1 - int(TIMELINE_S * NS)) if window_s is not None else t0
+    if cache is not None and not cache.covers(max(span_t0, info.start_ns)):
+        cache = None  # the span reaches back past what the cache holds
+    summary = summarize(con, t0, t1, filters, cache)
+    tables = _tables(con)
+
     windows = phase_windows(con)
     lo, hi = max(span_t0, info.start_ns), max(t1, info.start_ns + 1)
     ws, we, wp = flatten(windows, lo, hi)
@@ -267,7 +311,8 @@ def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_n
     nrate = max(1, math.ceil((t1 - t0) / RATE_BIN_NS))
     rate_edges = t0 + np.arange(nrate + 1, dtype=np.int64) * RATE_BIN_NS
     rate_edges[-1] = t1
-    per_bin = _binned(con, lookup, t0, t1, RATE_BIN_NS, nrate, io_filter)
+    per_bin = (_binned(con, lookup, t0, t1, RATE_BIN_NS, nrate, io_filter) if cache is None
+               else _binned_cached(cache, ws, wp, t0, t1, RATE_BIN_NS, nrate, filters))
     ptime = _phase_time(ws, we, wp, rate_edges)
     phases = tuple(_phase_stats(p, summary["phases"][p], per_bin, ptime[p])
                    for p in schema.PHASES)
@@ -278,7 +323,8 @@ def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_n
     tl_t0 = span_t0
     bin_ns = max(1, math.ceil((t1 - tl_t0) / TIMELINE_BINS))
     edges = tl_t0 + np.arange(TIMELINE_BINS + 1, dtype=np.int64) * bin_ns
-    total = _timeline_bytes(con, tl_t0, t1, bin_ns, io_filter)
+    total = (_timeline_bytes(con, tl_t0, t1, bin_ns, io_filter) if cache is None
+             else _timeline_bytes_cached(cache, tl_t0, t1, bin_ns, filters))
     tl_time = _phase_time(ws, we, wp, edges)
     stacked = np.vstack([tl_time[p] for p in schema.PHASES])
     timeline = []
@@ -287,17 +333,12 @@ def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_n
         phase = schema.PHASES[int(stacked[:, i].argmax())] if covered else None
         timeline.append(Bin(int(edges[i]), phase, int(total[i])))
 
-    cond = f"issue_ns >= {t1 - NS} AND issue_ns < {t1}" + (f" AND ({io_filter})"
-                                                          if io_filter else "")
-    recent = con.execute(f"SELECT count(*) FROM io WHERE {cond}").fetchall()[0][0]
-    devices = tuple(dict.fromkeys([d["name"] for d in info.devices] + [
-        r[0] for r in con.execute(  # the window's devices: a live session grows without end
-            f"SELECT DISTINCT dev_name FROM io WHERE issue_ns >= {t0} AND issue_ns < {t1} "
-            "AND dev_name <> '' ORDER BY 1").fetchall()]))
-    procs = tuple((int(t), str(c)) for t, c, _ in con.execute(f"""
-        SELECT tgid, any_value(comm), count(*) FROM io
-        WHERE issue_ns >= {t0} AND issue_ns < {t1} GROUP BY tgid ORDER BY 3 DESC, 1
-        LIMIT 10""").fetchall())
+    if cache is None:
+        recent, window_devices, procs = _recent_sql(con, t0, t1, io_filter)
+    else:
+        recent = len(cache.rows(t1 - NS, t1, filters.device, filters.tgid))
+        window_devices, procs = _choices_cached(cache, t0, t1)
+    devices = tuple(dict.fromkeys([d["name"] for d in info.devices] + window_devices))
     gpu, gpu_note = _gpu(con, tables, t0, t1)
 
     notes = []
@@ -404,6 +445,8 @@ class SnapshotFeed:
 
     def _run(self) -> None:
         cur = self._con.cursor()  # this thread's own connection to the session
+        # Live: the last minute and a margin for late completions; the rest stays in the store.
+        cache = IoCache(int((TIMELINE_S + 10) * NS) if self.clock.live else None)
         last = None
         try:
             while not self._stop.is_set():
@@ -416,7 +459,8 @@ class SnapshotFeed:
                     continue
                 last = (req, now)
                 try:
-                    snap = build_snapshot(cur, req.window_s, now, req.filters)
+                    cache.refresh(cur)
+                    snap = build_snapshot(cur, req.window_s, now, req.filters, cache)
                 except Exception as e:  # noqa: BLE001 - shown on screen, never a crash
                     self._on_error(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
                 else:

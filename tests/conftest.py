@@ -177,3 +177,20 @@ def assert_kernel_count(ours: int, kernel: int, report: dict) -> None:
     which happens a few times per million events). Unaccounted differences fail."""
     lost = report["session"]["lost_events"]
     assert 0 <= kernel - ours <= lost, (ours, kernel, report["session"]["lost_by_reason"])
+
+
+def assert_same_report(ours, ref, path: str = "") -> None:
+    """Two report dicts equal in every key and count; floats equal up to the last bits that
+    different arithmetic order can move (quantile interpolation, sums)."""
+    if isinstance(ref, dict):
+        assert isinstance(ours, dict) and ours.keys() == ref.keys(), (path, ours, ref)
+        for k in ref:
+            assert_same_report(ours[k], ref[k], f"{path}/{k}")
+    elif isinstance(ref, float) and isinstance(ours, float):
+        assert ours == pytest.approx(ref, rel=1e-12, abs=1e-9), (path, ours, ref)
+    elif isinstance(ref, (list, tuple)):
+        assert len(ours) == len(ref), (path, ours, ref)
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            assert_same_report(a, b, f"{path}[{i}]")
+    else:
+        assert ours == ref, (path, ours, ref)
