@@ -170,9 +170,12 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             store.replace_open_windows([r for src in (marks, *(s for _, s in sources))
                                         for r in src.open_rows(now)])
             flushes += 1
+            row["end_ns"] = now
             if flushes % LOST_EVERY == 0:  # live views show losses while they happen
                 row.update(lost=json.dumps(capture.lost() | marks.counts()))
                 store.write_session(row)
+            else:
+                store.mark_end(now)
         capture.stop()
         end_ns = time.monotonic_ns()
         for src in (marks, *(s for _, s in sources)):

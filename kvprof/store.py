@@ -55,10 +55,22 @@ class Store:
         if rows:
             self.append("phase_open", pa.Table.from_pylist(rows, schema=schema.PHASE_OPEN))
 
+    def mark_end(self, end_ns: int) -> None:
+        """While recording, the session reaches up to the last flush: live readers and a
+        killed recording's readers need not scan for its end."""
+        self.con.execute(f"UPDATE session SET end_ns = {int(end_ns)}")
+
     def write_session(self, row: dict) -> None:
         tbl = pa.Table.from_pylist([row], schema=schema.SESSION)
-        self.con.execute("DELETE FROM session")
-        self.append("session", tbl)
+        # One transaction: a live reader never sees the table without its row.
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            self.con.execute("DELETE FROM session")
+            self.append("session", tbl)
+            self.con.execute("COMMIT")
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
 
     def close(self) -> None:
         self.con.execute("CHECKPOINT")
@@ -110,12 +122,12 @@ def open_session(session: str | Path) -> duckdb.DuckDBPyConnection:
 
 def phase_windows(con: duckdb.DuckDBPyConnection) -> pa.Table:
     """Closed windows plus those still open at the last flush (absent in older sessions)."""
-    has_open = con.execute("SELECT count(*) FROM information_schema.tables "
-                           "WHERE table_name = 'phase_open'").fetchall()[0][0]
     query = "SELECT start_ns, end_ns, phase, source FROM phase"
-    if has_open:
-        query += " UNION ALL SELECT start_ns, end_ns, phase, source FROM phase_open"
-    return con.sql(query).to_arrow_table()
+    try:
+        return con.sql(query + " UNION ALL SELECT start_ns, end_ns, phase, source "
+                       "FROM phase_open").to_arrow_table()
+    except duckdb.CatalogException:
+        return con.sql(query).to_arrow_table()
 
 
 def session_info(con: duckdb.DuckDBPyConnection) -> SessionInfo:
@@ -125,8 +137,8 @@ def session_info(con: duckdb.DuckDBPyConnection) -> SessionInfo:
     r = rows[0]
     end = r["end_ns"]
     if end is None or end == 0:
-        # A recording that was killed before it finished: the data is still there, so
-        # end the session at the last thing it saw.
+        # A recording killed before its first flush, or by a kvprof that did not mark
+        # flushes: the data is still there, so end the session at the last thing it saw.
         last_io = con.execute("SELECT max(complete_ns) FROM io").fetchall()[0][0]
         ends = phase_windows(con)["end_ns"].to_pylist()
         end = max(int(last_io or 0), max(ends, default=0), r["start_ns"])
