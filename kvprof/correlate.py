@@ -14,10 +14,13 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import schema
-from kvprof.iocache import IoCache, Rows
+from kvprof.intervals import busy_between, busy_islands, busy_islands_ordered
+from kvprof import rollup
+from kvprof.iocache import IoCache
+from kvprof.rollup import Rollup
 from kvprof.store import SessionInfo, phase_windows, session_info
 
-QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))
+QUANTILES = schema.QUANTILES
 MAIN_OPS = ("read", "write")
 
 
@@ -50,46 +53,6 @@ def flatten(windows: pa.Table, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray
             ends.append(b)
             phases.append(phase)
     return np.array(starts, np.int64), np.array(ends, np.int64), np.array(phases, object)
-
-
-def busy_islands(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Union of [start, end) intervals as sorted disjoint islands."""
-    if len(start) == 0:
-        return np.empty(0, np.int64), np.empty(0, np.int64)
-    order = np.argsort(start, kind="stable")
-    s, e = start[order], end[order]
-    run = np.maximum.accumulate(e)
-    brk = s[1:] > run[:-1]
-    return s[np.r_[True, brk]], run[np.r_[brk, True]]
-
-
-def busy_islands_ordered(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """busy_islands without the sort, for intervals listed in issue order (start <= issue <=
-    end). A gap in the union splits the list into a prefix ending before it and a suffix
-    starting after it, so islands break where the suffix's earliest start passes the
-    prefix's latest end."""
-    if len(start) == 0:
-        return np.empty(0, np.int64), np.empty(0, np.int64)
-    run = np.maximum.accumulate(end)
-    suffix_min = np.minimum.accumulate(start[::-1])[::-1]
-    brk = suffix_min[1:] > run[:-1]
-    return suffix_min[np.r_[True, brk]], run[np.r_[brk, True]]
-
-
-def busy_between(isl_s: np.ndarray, isl_e: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Busy ns inside each [a, b), from a cumulative busy-time function over the islands."""
-    if len(isl_s) == 0:
-        return np.zeros(len(a), np.int64)
-    lengths = isl_e - isl_s
-    cum = np.concatenate([[0], np.cumsum(lengths)])
-
-    def upto(t: np.ndarray) -> np.ndarray:
-        k = np.searchsorted(isl_s, t, side="right") - 1
-        kk = np.clip(k, 0, None)
-        within = np.minimum(np.maximum(t - isl_s[kk], 0), lengths[kk])
-        return np.where(k >= 0, cum[kk] + within, 0)
-
-    return upto(b) - upto(a)
 
 
 def _op_entry(bytes_: int, ios: int, time_s: float) -> dict:
@@ -128,15 +91,17 @@ class Filters:
 
 def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
               t1: int | None = None, filters: Filters = Filters(),
-              cache: IoCache | None = None) -> dict:
+              cache: Rollup | None = None, info: SessionInfo | None = None,
+              windows: pa.Table | None = None) -> dict:
     """The report as a dict; its shape is documented in the README and kept stable.
 
-    With a `cache` that holds the window (the live dashboard's), the I/O rows come from it
-    instead of SQL; the numbers are the same either way."""
-    info = session_info(con)
+    With a `cache` (the live dashboard's row cache and its rollup) that holds the window,
+    the I/O rows come from it instead of SQL; the numbers are the same either way. `info`,
+    `windows`: the session row and phase windows when the caller has just read them."""
+    info = info or session_info(con)
     t0 = info.start_ns if t0 is None else t0
     t1 = info.end_ns if t1 is None else t1
-    windows = phase_windows(con)
+    windows = phase_windows(con) if windows is None else windows
     ws, we, wp = flatten(windows, t0, t1)
     durations = (we - ws).astype(np.float64)
     total_s = max(t1 - t0, 0) / 1e9
@@ -153,17 +118,16 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
             "io_uring": {op: _op_entry(0, 0, time_s) for op in MAIN_OPS},
         }
 
-    if cache is not None and cache.covers(t0):
+    if cache is not None and cache.cache.covers(t0):
         # The whole session also counts rows issued outside its bounds, as the SQL does.
         whole = t0 == info.start_ns and t1 == info.end_ns
-        lo, hi = (np.iinfo(np.int64).min, np.iinfo(np.int64).max) if whole else (t0, t1)
-        rows = cache.rows(lo, hi, filters.device, filters.tgid)
-        stats = _stats_of_rows(rows, ws, wp)
-        spans = _block_spans_of_rows(rows, cache.dev_names)
+        units = cache.units(ws, we, wp, info.start_ns, filters.device, filters.tgid,
+                            unbounded=whole)
+        stats = rollup.stats(units)
+        islands_of, present = _islands_cached(cache.cache, filters, units)
     else:
-        bounds = _bounds(info, t0, t1, filters)
-        stats = _stats_sql(con, bounds, ws, wp)
-        spans = _block_spans_sql(con, bounds)
+        stats = _stats_sql(con, _bounds(info, t0, t1, filters), ws, wp)
+        islands_of, present = _islands_sql(con, info, t0, t1, filters)
     for p, layer, op, ios, nbytes, lat, queue, dev, sizes, lats in stats:
         entry = phases[p][layer].setdefault(op, _op_entry(0, 0, phases[p]["time_s"]))
         entry.update(_op_entry(nbytes or 0, ios, phases[p]["time_s"]))
@@ -172,7 +136,7 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
         for key, hist in (("size_hist", sizes), ("latency_hist_us", lats)):
             entry[key] = {str(int(b)): int(n) for b, n in sorted(dict(hist).items())}
 
-    _idle(info, phases, ws, we, wp, *spans)
+    _idle(phases, ws, we, wp, [d["name"] for d in info.devices] or present, islands_of)
     lost = {k: int(v) for k, v in info.lost.items()}
     return {
         "session": {
@@ -234,89 +198,59 @@ def _stats_sql(con, bounds: str, ws, wp) -> list[tuple]:
         con.unregister("_kv_windows")
 
 
-def _quantiles_us(ns: np.ndarray) -> list[float]:
-    """quantile_cont of ns / 1e3: linear between the order statistics around (n-1)*q. The
-    division is monotonic, so the order statistics are picked on the integers."""
-    n = len(ns)
-    pos = [(n - 1) * q for _, q in QUANTILES]
-    kth = sorted({int(np.floor(r)) for r in pos} | {int(np.ceil(r)) for r in pos})
-    part = np.partition(ns, kth)
-    out = []
-    for r in pos:
-        lo, hi = int(np.floor(r)), int(np.ceil(r))
-        a, b = part[lo] / 1e3, part[hi] / 1e3
-        out.append(float(a + (r - lo) * (b - a)))
-    return out
-
-
-def _log2_bucket(values: np.ndarray) -> np.ndarray:
-    """floor(log2(max(v, 1))), exactly: frexp's exponent has no rounding to go wrong."""
-    return np.frexp(np.maximum(values, 1))[1].astype(np.int64) - 1
-
-
-def _stats_of_rows(rows: Rows, ws, wp) -> list[tuple]:
-    """What _stats_sql returns, from cached rows already in issue order."""
-    if len(rows) == 0:
-        return []
-    phase_code = np.array([schema.PHASES.index(p) for p in wp], np.int16)[rows.pieces(ws)]
-    nl, nops = len(schema.LAYERS), len(schema.OPS)
-    key = (phase_code * nl + rows.layer) * nops + rows.op
-    order = np.argsort(key, kind="stable")  # small ints: a radix sort
-    key = key[order]
-    first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-    ends = np.r_[first[1:], len(key)]
-    start, issue, complete = rows.start[order], rows.issue[order], rows.complete[order]
-    total, queue, device = complete - start, issue - start, complete - issue
-    nbytes = rows.bytes[order]
-    # Both log2 histograms of every group in one bincount each: row -> (group, bucket).
-    nb = 64
-    size_h = np.bincount(key.astype(np.int64) * nb + _log2_bucket(nbytes),
-                         minlength=(key[-1] + 1) * nb).reshape(-1, nb)
-    lat_h = np.bincount(key.astype(np.int64) * nb + _log2_bucket(total / 1e3),
-                        minlength=(key[-1] + 1) * nb).reshape(-1, nb)
-    out = []
-    for a, b in zip(first, ends):
-        k = int(key[a])
-        p, rest = divmod(k, nl * nops)
-        layer, op = divmod(rest, nops)
-        hists = [{2 ** int(u): int(h[k, u]) for u in np.flatnonzero(h[k])}
-                 for h in (size_h, lat_h)]
-        out.append((schema.PHASES[p], schema.LAYERS[layer], schema.OPS[op], int(b - a),
-                    int(nbytes[a:b].sum()), _quantiles_us(total[a:b]),
-                    _quantiles_us(queue[a:b]), _quantiles_us(device[a:b]), *hists))
-    return out
-
-
-def _block_spans_sql(con, bounds: str):
-    """(start, end, device code, device names, in issue order?) of the window's block rows."""
+def _islands_sql(con, info: SessionInfo, t0: int, t1: int, filters: Filters):
+    """Busy islands from the block requests in flight at any time in [t0, t1), also those
+    issued before t0, and the devices the window's block requests went to."""
+    conds = ["layer = 'block'", "complete_ns > " + str(int(t0)),
+             f"CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END < {int(t1)}"]
+    if filters.sql():
+        conds.append(f"({filters.sql()})")
     tbl = con.sql(f"""
         SELECT dev_name, CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END AS s,
-               complete_ns AS e
-        FROM (SELECT * FROM io {bounds}) WHERE layer = 'block'""").to_arrow_table()
+               complete_ns AS e, issue_ns >= {int(t0)} AND issue_ns < {int(t1)} AS inside
+        FROM io WHERE {" AND ".join(conds)}""").to_arrow_table()
     # Device names as dictionary codes: comparing small ints, not a million Python strings.
     enc = tbl["dev_name"].combine_chunks().dictionary_encode()
     codes = enc.indices.to_numpy(zero_copy_only=False)
-    return tbl["s"].to_numpy(), tbl["e"].to_numpy(), codes, enc.dictionary.to_pylist(), False
+    names = enc.dictionary.to_pylist()
+    s, e = tbl["s"].to_numpy(), tbl["e"].to_numpy()
+    inside = tbl["inside"].to_numpy(zero_copy_only=False)
+    whole = t0 == info.start_ns and t1 == info.end_ns
+    present = sorted({names[c] for c in np.unique(codes[inside | whole])})
+
+    def islands_of(device: str | None):
+        if device is None:
+            return busy_islands(s, e)
+        mine = codes == (names.index(device) if device in names else -1)
+        return busy_islands(s[mine], e[mine])
+    return islands_of, present
 
 
-def _block_spans_of_rows(rows: Rows, dev_names: list[str]):
-    block = rows.layer == schema.LAYERS.index(schema.LAYER_BLOCK)
-    return rows.start[block], rows.complete[block], rows.dev[block], dev_names, True
+def _islands_cached(cache: IoCache, filters: Filters, units: list):
+    """The same from the cache: its maintained islands, or for a process filter the
+    process's block rows (the cache holds every row that can reach into the window)."""
+    present = rollup.devices(units, cache)
+    if filters.tgid is None:
+        def islands_of(device: str | None):
+            if device is None or filters.device is None or device == filters.device:
+                return cache.islands(device if device is not None else filters.device)
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        return islands_of, present
+    rows = cache.slice(0, len(cache), filters.device, filters.tgid)
+    block = rows.layer == rollup.BLOCK
+
+    def islands_of(device: str | None):
+        mine = block if device is None else block & (rows.dev == cache.device_code(device))
+        return busy_islands_ordered(rows.start[mine], rows.complete[mine])
+    return islands_of, present
 
 
-def _idle(info: SessionInfo, phases: dict, ws, we, wp, s, e, codes, names,
-          issue_ordered: bool) -> None:
+def _idle(phases: dict, ws, we, wp, devices: list[str], islands_of) -> None:
     """Per phase, the share of its time with no block request in flight: per device and on
     all traced devices together. In flight = from insert (or issue, when the request skipped
     the queue) to completion, the span the kernel's io_ticks also covers."""
-    code_of = {name: i for i, name in enumerate(names)}
-    # Device codes are small ints (-1: none): which occur, by counting.
-    present = np.flatnonzero(np.bincount(codes.astype(np.int64) + 1)) - 1
-    devices = [d["name"] for d in info.devices] or sorted(names[c] for c in present if c >= 0)
-    islands = busy_islands_ordered if issue_ordered else busy_islands
-
-    def idle_pct(mask) -> dict[str, float | None]:
-        isl_s, isl_e = islands(s[mask], e[mask])
+    def idle_pct(device: str | None) -> dict[str, float | None]:
+        isl_s, isl_e = islands_of(device)
         busy = busy_between(isl_s, isl_e, ws, we)
         out = {}
         for p in schema.PHASES:
@@ -325,10 +259,8 @@ def _idle(info: SessionInfo, phases: dict, ws, we, wp, s, e, codes, names,
             out[p] = 100.0 * (1 - float(busy[sel].sum()) / t) if t > 0 else None
         return out
 
-    overall = idle_pct(np.ones(len(s), bool))
-    # One device holding every row (the usual case) has the overall figures.
-    per_dev = {d: overall if len(present) == 1 and code_of.get(d) == present[0]
-               else idle_pct(codes == code_of.get(d, -2)) for d in devices}
+    overall = idle_pct(None)
+    per_dev = {d: idle_pct(d) for d in devices}
     for p in schema.PHASES:
         phases[p]["block"]["time_idle_pct"] = overall[p]
         phases[p]["block"]["devices"] = {d: {"time_idle_pct": per_dev[d][p]} for d in devices}

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvprof import schema
+from kvprof.intervals import busy_islands_ordered
 
 # Columns kept per I/O: what correlate and the dashboard read, as small fixed-width numbers.
 _DTYPES = {
@@ -31,8 +32,9 @@ _DTYPES = {
     "dev": np.int16,       # index in IoCache.dev_names; -1 when the row names no device
     "proc": np.int32,      # index in IoCache.tgids
 }
-# About 45 bytes a row: the default bound keeps the cache near 360 MB at most.
-MAX_ROWS = 8_000_000
+# About 60 bytes a row (columns and running sums): the default bound keeps the cache near
+# 420 MB at most, and holds the 60 s window at 100k events/s.
+MAX_ROWS = 7_000_000
 
 
 def _sql_list(values) -> str:
@@ -92,6 +94,12 @@ class IoCache:
         self._next_rowid = 0
         self._cols = {k: np.empty(1024, t) for k, t in _DTYPES.items()}
         self._a = self._n = 0  # live rows are [_a, _n) of every column
+        # Per layer, bytes of that layer's rows before each row (one more entry than rows):
+        # any span's bytes by two lookups, so the timeline needs no pass over its rows.
+        self._cum = {lay: np.zeros(1025, np.int64) for lay in range(len(schema.LAYERS))}
+        # Busy islands of the block rows (key None) and of each device's (key: its code),
+        # kept current as rows arrive: idle time needs no pass over the window.
+        self._islands: dict[int | None, tuple[np.ndarray, np.ndarray]] = {}
 
     def __len__(self) -> int:
         return self._n - self._a
@@ -121,11 +129,14 @@ class IoCache:
             self._drop_before(int(skipped) + 1)
         tbl = cur.sql(f"{_SELECT} WHERE rowid >= {wm} AND rowid <= {top}").to_arrow_table()
         self._next_rowid = top + 1
-        for tgid, comm in cur.execute(
-                f"SELECT coalesce(tgid, 0), any_value(comm) FROM io WHERE rowid >= {wm} "
-                f"AND rowid <= {top} GROUP BY 1").fetchall():
-            self.comm.setdefault(int(tgid), comm or "")
         new = self._columns(tbl)
+        unnamed = [t for t in self.tgids if t not in self.comm]
+        if unnamed:  # a process's name, read once: the first time it does I/O
+            for tgid, comm in cur.execute(
+                    f"SELECT coalesce(tgid, 0), any_value(comm) FROM io WHERE rowid >= {wm} "
+                    f"AND rowid <= {top} AND coalesce(tgid, 0) IN "
+                    f"({', '.join(map(str, unnamed))}) GROUP BY 1").fetchall():
+                self.comm[int(tgid)] = comm or ""
         self._merge(new)
         self._trim()
         return len(new["issue"])
@@ -176,6 +187,11 @@ class IoCache:
             else:
                 col[p:n + k] = np.concatenate([col[p:n], new[name]])[order]
         self._n = n + k
+        p = min(p, n)
+        layer, nbytes = self._cols["layer"][p:n + k], self._cols["bytes"][p:n + k]
+        for lay, cum in self._cum.items():
+            cum[p + 1:n + k + 1] = cum[p] + np.cumsum(np.where(layer == lay, nbytes, 0))
+        self._update_islands(new)
 
     def _reserve(self, k: int) -> None:
         live = self._n - self._a
@@ -187,6 +203,10 @@ class IoCache:
             fresh = np.empty(size, col.dtype) if size != cap else col
             fresh[:live] = col[self._a:self._n]
             self._cols[name] = fresh
+        for lay, cum in self._cum.items():
+            fresh = np.empty(size + 1, np.int64) if size != cap else cum
+            fresh[:live + 1] = cum[self._a:self._n + 1]
+            self._cum[lay] = fresh
         self._a, self._n = 0, live
 
     def _trim(self) -> None:
@@ -205,13 +225,14 @@ class IoCache:
             return
         self.lo_ns = t
         self._a += int(np.searchsorted(self.col("issue"), t, side="left"))
+        for key, (isl_s, isl_e) in self._islands.items():
+            j = int(np.searchsorted(isl_e, t, side="left"))
+            self._islands[key] = (isl_s[j:], isl_e[j:])
 
-    def rows(self, t0: int, t1: int, device: str | None = None,
-             tgid: int | None = None) -> Rows:
-        """Rows issued in [t0, t1) that pass the filter; t0 must be covered."""
-        issue = self.col("issue")
-        i0, i1 = np.searchsorted(issue, [t0, t1], side="left")
-        rows = Rows(*(self.col(k)[i0:i1] for k in _DTYPES))
+    def slice(self, a: int, b: int, device: str | None = None,
+              tgid: int | None = None) -> Rows:
+        """Rows a..b (indices into the columns) that pass the filter."""
+        rows = Rows(*(self.col(k)[a:b] for k in _DTYPES))
         keep = None
         if device is not None:
             keep = rows.dev == self._dev_code.get(device, -2)
@@ -219,3 +240,46 @@ class IoCache:
             by_pid = rows.proc == self._proc_code.get(tgid, -1)
             keep = by_pid if keep is None else keep & by_pid
         return rows if keep is None else rows.mask(keep)
+
+    def rows(self, t0: int, t1: int, device: str | None = None,
+             tgid: int | None = None) -> Rows:
+        """Rows issued in [t0, t1) that pass the filter; t0 must be covered."""
+        i0, i1 = np.searchsorted(self.col("issue"), [t0, t1], side="left")
+        return self.slice(int(i0), int(i1), device, tgid)
+
+    def layer_bytes(self, edges: np.ndarray) -> np.ndarray:
+        """(layer, bin) bytes of the rows issued between consecutive edges."""
+        at = self._a + np.searchsorted(self.col("issue"), edges, side="left")
+        return np.vstack([np.diff(self._cum[lay][at]) for lay in range(len(schema.LAYERS))])
+
+    def device_code(self, name: str) -> int | None:
+        return self._dev_code.get(name)
+
+    def islands(self, device: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Busy islands of the cached block rows, of one device or of all."""
+        key = None if device is None else self._dev_code.get(device, -2)
+        empty = np.empty(0, np.int64)
+        return self._islands.get(key, (empty, empty))
+
+    def _update_islands(self, new: dict[str, np.ndarray]) -> None:
+        """Islands change only from the earliest start among the new rows on: keep those
+        ending before it, rebuild the rest from the rows issued since (see
+        correlate.busy_islands_ordered for why issue order suffices)."""
+        block = new["layer"] == schema.LAYERS.index(schema.LAYER_BLOCK)
+        if not block.any():
+            return
+        issue = self.col("issue")
+        for key in [None, *np.unique(new["dev"][block]).tolist()]:
+            mine = block if key is None else block & (new["dev"] == key)
+            earliest = int(new["start"][mine].min())
+            isl_s, isl_e = self._islands.get(key, (np.empty(0, np.int64),) * 2)
+            j = int(np.searchsorted(isl_e, earliest, side="left"))
+            since = min(int(isl_s[j]), earliest) if j < len(isl_s) else earliest
+            q = int(np.searchsorted(issue, since, side="left"))
+            sel = self.col("layer")[q:] == schema.LAYERS.index(schema.LAYER_BLOCK)
+            if key is not None:
+                sel &= self.col("dev")[q:] == key
+            ns, ne = busy_islands_ordered(self.col("start")[q:][sel],
+                                          self.col("complete")[q:][sel])
+            self._islands[key] = (np.concatenate([isl_s[:j], ns]),
+                                  np.concatenate([isl_e[:j], ne]))

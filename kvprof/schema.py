@@ -23,6 +23,8 @@ FLAG_META = 1 << 3
 FLAG_RAHEAD = 1 << 4
 
 PHASES = ("prefill", "decode", "mixed", "idle")
+# The latency quantiles every summary reports (name, q).
+QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))
 # Where a phase window came from, most exact first. Marks sent by an engine hook and marks
 # sent by hand both name the exact moment, so they rank together above scraped metrics.
 SOURCE_RANK = {"hook": 3, "manual": 3, "metrics": 2, "nvml": 1}
@@ -77,6 +79,7 @@ SESSION = pa.schema(
         ("bcc_version", pa.string()),
         ("start_wall_ns", pa.int64()),
         ("start_ns", pa.int64()),
+        # While recording (and after a kill): the last flush, which every stored row precedes.
         ("end_ns", pa.int64()),
         # wall-clock ns = monotonic ns + clock_offset_ns
         ("clock_offset_ns", pa.int64()),

@@ -19,8 +19,11 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import schema
-from kvprof.correlate import Filters, busy_between, flatten, summarize
+from kvprof.correlate import Filters, flatten, summarize
+from kvprof.intervals import busy_between
+from kvprof import rollup
 from kvprof.iocache import IoCache
+from kvprof.rollup import GRID_NS, Rollup
 from kvprof.findings import findings
 from kvprof.store import phase_windows, session_info
 
@@ -28,7 +31,6 @@ NS = 1_000_000_000
 WINDOWS_S: tuple[float | None, ...] = (10.0, 60.0, None)  # None: the whole session
 TIMELINE_S = 60.0
 TIMELINE_BINS = 60
-RATE_BIN_NS = NS  # "now" and "peak" bandwidth are per-second figures
 # A phase must fill this share of a rate bin for that bin to count: bytes over 10 ms of
 # phase time would read as an absurd rate.
 MIN_BIN_SHARE = 0.2
@@ -119,22 +121,18 @@ def window_bounds(start_ns: int, now_ns: int, window_s: float | None) -> tuple[i
     return t0, t1
 
 
-def _tables(cur) -> set[str]:
-    return {r[0] for r in cur.execute(
-        "SELECT table_name FROM information_schema.tables").fetchall()}
-
-
-def _binned(cur, lookup: pa.Table, t0: int, t1: int, bin_ns: int, nbins: int,
+def _binned(cur, lookup: pa.Table, t0: int, t1: int, origin: int, c0: int, ncells: int,
             io_filter: str) -> dict[tuple[str, str, str], np.ndarray]:
-    """(phase, layer, op) -> bytes per bin over [t0, t0 + nbins*bin_ns), I/O by issue time."""
+    """(phase, layer, op) -> bytes per grid second from the one holding t0, I/O by issue
+    time in [t0, t1)."""
     out: dict[tuple[str, str, str], np.ndarray] = {}
-    if nbins <= 0 or len(lookup) == 0:
+    if len(lookup) == 0:
         return out
     cond = f"issue_ns >= {t0} AND issue_ns < {t1}" + (f" AND ({io_filter})" if io_filter else "")
     cur.register("_kv_snap_windows", lookup)
     try:
         rows = cur.execute(f"""
-            SELECT w.w_phase, io.layer, io.op, (io.issue_ns - {t0}) // {bin_ns} AS b,
+            SELECT w.w_phase, io.layer, io.op, (io.issue_ns - {origin}) // {GRID_NS} - {c0},
                    sum(io.bytes)::UBIGINT
             FROM (SELECT layer, op, issue_ns, bytes FROM io WHERE {cond}) io
             ASOF JOIN _kv_snap_windows w ON io.issue_ns >= w.w_start
@@ -142,15 +140,15 @@ def _binned(cur, lookup: pa.Table, t0: int, t1: int, bin_ns: int, nbins: int,
     finally:
         cur.unregister("_kv_snap_windows")
     for phase, layer, op, b, nbytes in rows:
-        arr = out.setdefault((phase, layer, op), np.zeros(nbins, np.int64))
-        if 0 <= b < nbins:
+        arr = out.setdefault((phase, layer, op), np.zeros(ncells, np.int64))
+        if 0 <= b < ncells:
             arr[int(b)] += int(nbytes or 0)
     return out
 
 
 def _timeline_bytes(cur, t0: int, t1: int, bin_ns: int, io_filter: str) -> np.ndarray:
     """Bytes per timeline bin. The device sees each byte once and io_uring rows repeat block
-    ones, so block rows count, or io_uring rows when the session has no block rows."""
+    ones, so block rows count, or io_uring rows when there are no block rows."""
     cond = f"issue_ns >= {t0} AND issue_ns < {t1}" + (f" AND ({io_filter})" if io_filter else "")
     rows = cur.execute(f"""
         SELECT layer, (issue_ns - {t0}) // {bin_ns} AS b, sum(bytes)::UBIGINT
@@ -163,46 +161,17 @@ def _timeline_bytes(cur, t0: int, t1: int, bin_ns: int, io_filter: str) -> np.nd
     return total
 
 
-def _binned_cached(cache: IoCache, ws, wp, t0: int, t1: int, bin_ns: int, nbins: int,
-                   filters: Filters) -> dict[tuple[str, str, str], np.ndarray]:
-    """_binned from the cache: the rows are in issue order, so the phase of each is the
-    piece it falls in, no join."""
-    r = cache.rows(t0, t1, filters.device, filters.tgid)
-    if nbins <= 0 or len(ws) == 0 or len(r) == 0:
-        return {}
-    nl, nops = len(schema.LAYERS), len(schema.OPS)
-    phase = np.array([schema.PHASES.index(p) for p in wp], np.int64)[r.pieces(ws)]
-    group = (phase * nl + r.layer) * nops + r.op
-    cell = group * nbins + np.minimum((r.issue - t0) // bin_ns, nbins - 1)
-    ngroups = len(schema.PHASES) * nl * nops
-    sums = np.bincount(cell, weights=r.bytes, minlength=ngroups * nbins).reshape(ngroups, nbins)
-    out = {}
-    for g in np.flatnonzero(np.bincount(group, minlength=ngroups)):
-        p, rest = divmod(int(g), nl * nops)
-        layer, op = divmod(rest, nops)
-        out[(schema.PHASES[p], schema.LAYERS[layer], schema.OPS[op])] = sums[g].astype(np.int64)
-    return out
-
-
-def _timeline_bytes_cached(cache: IoCache, t0: int, t1: int, bin_ns: int,
+def _timeline_bytes_cached(cache: IoCache, units: list, edges: np.ndarray, t1: int,
                            filters: Filters) -> np.ndarray:
-    r = cache.rows(t0, t1, filters.device, filters.tgid)
-    block = r.layer == schema.LAYERS.index(schema.LAYER_BLOCK)
-    counted = np.where(block if block.any() else ~block, r.bytes, 0)
-    # Rows are in issue order: each bin is a contiguous run.
-    edges = np.searchsorted(r.issue, t0 + np.arange(TIMELINE_BINS + 1) * bin_ns)
-    cum = np.concatenate([[0], np.cumsum(counted)])
-    return (cum[edges[1:]] - cum[edges[:-1]]).astype(np.int64)
-
-
-def _choices_cached(cache: IoCache, t0: int, t1: int):
-    """The window's devices and its ten busiest processes, as the SQL picks them."""
-    r = cache.rows(t0, t1)
-    present = np.flatnonzero(np.bincount(r.dev.astype(np.int64) + 1)) - 1
-    devices = sorted(n for n in (cache.dev_names[c] for c in present if c >= 0) if n)
-    counts = np.bincount(r.proc)
-    top = sorted((-int(counts[c]), cache.tgids[c]) for c in np.flatnonzero(counts))[:10]
-    return devices, tuple((t, cache.comm.get(t, "")) for _, t in top)
+    """The same from the cache: by its running byte sums, or, filtered, from the rows."""
+    seen = rollup.layers_seen(units)
+    use = rollup.BLOCK if seen[rollup.BLOCK] or not seen.any() else rollup.IO_URING
+    cut = np.minimum(edges, t1)
+    if filters == Filters():
+        return cache.layer_bytes(cut)[use]
+    r = cache.rows(int(cut[0]), t1, filters.device, filters.tgid)
+    cum = np.concatenate([[0], np.cumsum(np.where(r.layer == use, r.bytes, 0))])
+    return np.diff(cum[np.searchsorted(r.issue, cut, side="left")])
 
 
 def _phase_time(ws, we, wp, edges: np.ndarray) -> dict[str, np.ndarray]:
@@ -231,7 +200,7 @@ def _phase_stats(p: str, ph: dict, per_bin: dict, ptime: np.ndarray) -> PhaseSta
     def rate(op: str, mean: float) -> Rate:
         nbytes = per_bin.get((p, layer, op))
         # A phase shorter than the bar (a 25 ms prefill) still gets a rate from its longest bins.
-        ok = (ptime > 0) & (ptime >= min(MIN_BIN_SHARE * RATE_BIN_NS, 0.5 * ptime.max()))
+        ok = (ptime > 0) & (ptime >= min(MIN_BIN_SHARE * GRID_NS, 0.5 * ptime.max()))
         if nbytes is None or not ok.any():
             return Rate(0.0, mean, mean)
         r = np.where(ok, nbytes / np.maximum(ptime, 1) * NS, 0.0)
@@ -252,19 +221,21 @@ def _phase_stats(p: str, ph: dict, per_bin: dict, ptime: np.ndarray) -> PhaseSta
         idle_pct=ph["block"]["time_idle_pct"] if layer == "block" else None)
 
 
-def _gpu(cur, tables: set[str], t0: int, t1: int) -> tuple[GpuStats | None, str]:
-    if "gpu" not in tables:
+def _gpu(cur, t0: int, t1: int) -> tuple[GpuStats | None, str]:
+    try:
+        row = cur.execute(f"""
+            SELECT count(DISTINCT gpu) FILTER (w), count(*) FILTER (w),
+                   avg(gpu_util_pct) FILTER (w), avg(mem_util_pct) FILTER (w),
+                   avg(sm_active_pct) FILTER (w), avg(power_w) FILTER (w),
+                   avg(pcie_rx_bytes_per_s) FILTER (w), avg(pcie_tx_bytes_per_s) FILTER (w),
+                   count(*)
+            FROM gpu""".replace("(w)", f"(WHERE ts_ns >= {t0} AND ts_ns < {t1})")).fetchall()[0]
+    except duckdb.CatalogException:
         return None, "no GPU data: this session was recorded before NVML support"
-    row = cur.execute(f"""
-        SELECT count(DISTINCT gpu), count(*), avg(gpu_util_pct), avg(mem_util_pct),
-               avg(sm_active_pct), avg(power_w), avg(pcie_rx_bytes_per_s),
-               avg(pcie_tx_bytes_per_s)
-        FROM gpu WHERE ts_ns >= {t0} AND ts_ns < {t1}""").fetchall()[0]
     if not row[1]:
-        any_rows = cur.execute("SELECT count(*) FROM gpu").fetchall()[0][0]
-        return None, ("no GPU samples in this window" if any_rows else
+        return None, ("no GPU samples in this window" if row[-1] else
                       "no GPU data: no NVML samples (no GPU, or not recorded with --phases nvml)")
-    return GpuStats(int(row[0]), int(row[1]), *row[2:]), ""
+    return GpuStats(int(row[0]), int(row[1]), *row[2:-1]), ""
 
 
 def _recent_sql(cur, t0: int, t1: int, io_filter: str):
@@ -284,62 +255,64 @@ def _recent_sql(cur, t0: int, t1: int, io_filter: str):
 
 
 def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_ns: int,
-                   filters: Filters = Filters(), cache: IoCache | None = None) -> Snapshot:
+                   filters: Filters = Filters(), cache: Rollup | None = None) -> Snapshot:
     """The dashboard's data for the window ending at `now_ns` (session clock). With a
-    `cache` (refreshed by the caller) that holds the span shown, the I/O rows come from it;
-    otherwise from SQL."""
+    `cache` (a row cache the caller refreshed, and its rollup) that holds the span shown,
+    the I/O rows come from it; otherwise from SQL. The numbers are the same."""
     started = time.perf_counter()
     info = session_info(con)
-    t0, t1 = window_bounds(info.start_ns, now_ns, window_s)
+    origin = info.start_ns
+    t0, t1 = window_bounds(origin, now_ns, window_s)
     io_filter = filters.sql()
     # Phase pieces over the whole span any grid below touches, for the bins and the joins.
     span_t0 = min(t0, t1 - int(TIMELINE_S * NS)) if window_s is not None else t0
-    if cache is not None and not cache.covers(max(span_t0, info.start_ns)):
+    # Timeline: the last minute (early on partly before the session), or the whole session
+    # when that is the window.
+    bin_ns = max(1, math.ceil((t1 - span_t0) / TIMELINE_BINS))
+    edges = span_t0 + np.arange(TIMELINE_BINS + 1, dtype=np.int64) * bin_ns
+    lo = max(span_t0, origin)
+    if cache is not None and not cache.cache.covers(lo):
         cache = None  # the span reaches back past what the cache holds
-    summary = summarize(con, t0, t1, filters, cache)
-    tables = _tables(con)
-
     windows = phase_windows(con)
-    lo, hi = max(span_t0, info.start_ns), max(t1, info.start_ns + 1)
-    ws, we, wp = flatten(windows, lo, hi)
-    lookup_start = ws.copy()
-    if len(lookup_start):
-        lookup_start[0] = np.iinfo(np.int64).min
-    lookup = pa.table({"w_start": lookup_start, "w_phase": wp.astype(str)})
+    summary = summarize(con, t0, t1, filters, cache, info, windows)
 
-    # Per-second rates inside the window, by phase.
-    nrate = max(1, math.ceil((t1 - t0) / RATE_BIN_NS))
-    rate_edges = t0 + np.arange(nrate + 1, dtype=np.int64) * RATE_BIN_NS
-    rate_edges[-1] = t1
-    per_bin = (_binned(con, lookup, t0, t1, RATE_BIN_NS, nrate, io_filter) if cache is None
-               else _binned_cached(cache, ws, wp, t0, t1, RATE_BIN_NS, nrate, filters))
+    ws, we, wp = flatten(windows, lo, max(t1, origin + 1))
+    # Per-second rates inside the window by phase: grid seconds, the outer two cut at t0, t1.
+    c0 = (t0 - origin) // GRID_NS
+    ncells = max(1, (max(t1 - 1, t0) - origin) // GRID_NS - c0 + 1)
+    rate_edges = origin + (c0 + np.arange(ncells + 1, dtype=np.int64)) * GRID_NS
+    rate_edges[0], rate_edges[-1] = t0, max(t1, t0)
+    if cache is None:
+        lookup_start = ws.copy()
+        if len(lookup_start):
+            lookup_start[0] = np.iinfo(np.int64).min
+        lookup = pa.table({"w_start": lookup_start, "w_phase": wp.astype(str)})
+        per_bin = _binned(con, lookup, t0, t1, origin, c0, ncells, io_filter)
+        total = _timeline_bytes(con, span_t0, t1, bin_ns, io_filter)
+        recent, window_devices, procs = _recent_sql(con, t0, t1, io_filter)
+    else:
+        units = cache.units(ws, we, wp, origin, filters.device, filters.tgid, cuts=(t0,))
+        per_bin = rollup.bytes_by_cell([u for u in units if u.start >= t0], c0, ncells)
+        total = _timeline_bytes_cached(cache.cache, units, edges, t1, filters)
+        recent = len(cache.cache.rows(t1 - NS, t1, filters.device, filters.tgid))
+        # The device and process choices list every I/O of the window, not the filtered.
+        plain = units if filters == Filters() else cache.units(ws, we, wp, origin, cuts=(t0,))
+        plain = [u for u in plain if u.start >= t0]
+        window_devices = rollup.devices(plain, cache.cache)
+        procs = rollup.busiest(plain, cache.cache)
     ptime = _phase_time(ws, we, wp, rate_edges)
     phases = tuple(_phase_stats(p, summary["phases"][p], per_bin, ptime[p])
                    for p in schema.PHASES)
 
-    # Timeline: the last minute, or the whole session when that is the window. Its bars are
-    # total bytes per bin and its bands come from the windows, so no join with the phases:
-    # a plain aggregate over the minute's rows.
-    tl_t0 = span_t0
-    bin_ns = max(1, math.ceil((t1 - tl_t0) / TIMELINE_BINS))
-    edges = tl_t0 + np.arange(TIMELINE_BINS + 1, dtype=np.int64) * bin_ns
-    total = (_timeline_bytes(con, tl_t0, t1, bin_ns, io_filter) if cache is None
-             else _timeline_bytes_cached(cache, tl_t0, t1, bin_ns, filters))
     tl_time = _phase_time(ws, we, wp, edges)
     stacked = np.vstack([tl_time[p] for p in schema.PHASES])
     timeline = []
     for i in range(TIMELINE_BINS):
-        covered = edges[i + 1] > info.start_ns and edges[i] < t1 and stacked[:, i].sum() > 0
+        covered = edges[i + 1] > origin and edges[i] < t1 and stacked[:, i].sum() > 0
         phase = schema.PHASES[int(stacked[:, i].argmax())] if covered else None
         timeline.append(Bin(int(edges[i]), phase, int(total[i])))
-
-    if cache is None:
-        recent, window_devices, procs = _recent_sql(con, t0, t1, io_filter)
-    else:
-        recent = len(cache.rows(t1 - NS, t1, filters.device, filters.tgid))
-        window_devices, procs = _choices_cached(cache, t0, t1)
     devices = tuple(dict.fromkeys([d["name"] for d in info.devices] + window_devices))
-    gpu, gpu_note = _gpu(con, tables, t0, t1)
+    gpu, gpu_note = _gpu(con, t0, t1)
 
     notes = []
     if not len(windows):
@@ -418,6 +391,12 @@ class ViewRequest:
     filters: Filters = Filters()
 
 
+def feed_cache() -> Rollup:
+    """The feed's row cache: as many rows as its bound allows (at 100k events/s, 70 s: the
+    60 s window and a margin); a view reaching further back is computed with SQL."""
+    return Rollup(IoCache())
+
+
 class SnapshotFeed:
     """One thread: build a snapshot from its own cursor, hand it over, wait, repeat. Builds
     never overlap, so a slow one only delays (skips) frames; `wake()` asks for one now."""
@@ -445,8 +424,7 @@ class SnapshotFeed:
 
     def _run(self) -> None:
         cur = self._con.cursor()  # this thread's own connection to the session
-        # Live: the last minute and a margin for late completions; the rest stays in the store.
-        cache = IoCache(int((TIMELINE_S + 10) * NS) if self.clock.live else None)
+        cache = feed_cache()
         last = None
         try:
             while not self._stop.is_set():
@@ -459,7 +437,7 @@ class SnapshotFeed:
                     continue
                 last = (req, now)
                 try:
-                    cache.refresh(cur)
+                    cache.cache.refresh(cur)
                     snap = build_snapshot(cur, req.window_s, now, req.filters, cache)
                 except Exception as e:  # noqa: BLE001 - shown on screen, never a crash
                     self._on_error(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")

@@ -8,7 +8,8 @@ import pyarrow as pa
 import pytest
 
 from kvprof import schema
-from kvprof.correlate import busy_between, busy_islands, flatten
+from kvprof.correlate import flatten
+from kvprof.intervals import busy_between, busy_islands
 from kvprof.phases.marks import WindowBuilder, decode
 
 

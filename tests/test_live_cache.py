@@ -1,0 +1,197 @@
+"""The dashboard's row cache and its rollup compute exactly what the SQL of `kvprof report`
+computes, for any window and filter, while rows keep arriving in completion order; and they do
+it incrementally (a refresh rebuilds only the units that changed)."""
+from __future__ import annotations
+
+import dataclasses
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kvprof import schema
+from kvprof.correlate import Filters, summarize
+from kvprof.intervals import busy_islands, busy_islands_ordered
+from kvprof.iocache import IoCache
+from kvprof.rollup import FINE_BITS, Rollup, fine_bucket
+from kvprof.snapshot import build_snapshot
+from kvprof.store import open_replay, session_info
+from tests.conftest import assert_same_report
+from tests.test_top import SAMPLE
+
+NS = 1_000_000_000
+
+
+def assert_same_snapshot(ours, ref) -> None:
+    for f in dataclasses.fields(ref):
+        if f.name == "build_s":
+            continue
+        a, b = getattr(ours, f.name), getattr(ref, f.name)
+        if f.name in ("phases", "timeline"):
+            a, b = [dataclasses.asdict(x) for x in a], [dataclasses.asdict(x) for x in b]
+        assert_same_report(a, b, f.name)
+
+
+def test_fine_buckets_never_decrease_and_are_exact_for_small_values():
+    rng = np.random.default_rng(3)
+    v = np.sort(np.concatenate([rng.integers(-1000, 1000, 5000),
+                                rng.lognormal(12, 4, 20000).astype(np.int64),
+                                [0, 1, 31, 32, 33, 2**40, 2**62]]))
+    b = fine_bucket(v)
+    assert (np.diff(b) >= 0).all()
+    small = (v >= 0) & (v < 1 << FINE_BITS)
+    assert (b[small] == v[small] + 1).all() and (b[v < 0] == 0).all()
+    assert (b[v >= 1 << FINE_BITS] > 1 << FINE_BITS).all()
+
+
+def test_islands_from_issue_order_equal_sorted_islands():
+    rng = np.random.default_rng(5)
+    for _ in range(50):
+        n = int(rng.integers(1, 400))
+        issue = np.sort(rng.integers(0, 10_000, n))
+        start = issue - rng.integers(0, 300, n)
+        end = issue + rng.integers(0, 200, n)
+        a, b = busy_islands_ordered(start, end), busy_islands(start, end)
+        assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+@pytest.fixture(scope="module")
+def sample():
+    con = open_replay(SAMPLE)
+    yield con, session_info(con)
+    con.close()
+
+
+@pytest.mark.parametrize("window_s", [None, 60.0, 10.0, 1.0])
+def test_cache_gives_the_report_of_the_sample(sample, window_s):
+    con, info = sample
+    cache = Rollup(IoCache())
+    assert cache.cache.refresh(con) == con.execute("SELECT count(*) FROM io").fetchall()[0][0]
+    dev = info.devices[0]["name"]
+    fio = next(t for t, c in build_snapshot(con, None, info.end_ns).process_choices
+               if c == "fio")
+    for now in (info.end_ns, info.start_ns + (info.end_ns - info.start_ns) * 2 // 3):
+        for f in (Filters(), Filters(device=dev), Filters(tgid=fio), Filters(device="none")):
+            ours = build_snapshot(con, window_s, now, f, cache)
+            assert_same_snapshot(ours, build_snapshot(con, window_s, now, f))
+            assert_same_report(summarize(con, ours.t0_ns, ours.t1_ns, f, cache),
+                               summarize(con, ours.t0_ns, ours.t1_ns, f))
+
+
+class Session:
+    """An in-memory session fed like the recorder feeds it: rows in completion order, a
+    flush at a time; windows from two sources of different rank, some arriving late."""
+
+    def __init__(self, seconds: int, rate: int, seed: int = 11):
+        self.con = duckdb.connect(":memory:")
+        for name in schema.TABLES:
+            self.con.execute(schema.duckdb_ddl(name))
+        rng = np.random.default_rng(seed)
+        self.start = 100 * NS
+        n = seconds * rate
+        issue = self.start + np.sort(rng.integers(0, seconds * NS, n))
+        # Mostly fast, some slow enough to stay in flight across seconds and windows.
+        dev_ns = np.where(rng.random(n) < 0.01, rng.integers(NS // 10, 3 * NS // 2, n),
+                          rng.lognormal(10, 1.5, n).astype(np.int64))
+        queue = np.where(rng.random(n) < 0.3, 0, rng.lognormal(7, 2, n).astype(np.int64))
+        block = rng.random(n) < 0.75
+        op = rng.choice(["read", "write", "flush"], n, p=[0.6, 0.35, 0.05])
+        dev = np.where(rng.random(n) < 0.7, "loop7", "zram3")
+        self.io = pa.table({
+            "layer": np.where(block, "block", "io_uring"),
+            "op": op,
+            "flags": np.zeros(n, np.uint16),
+            "insert_ns": np.where(block & (queue > 0), issue - queue, 0),
+            "issue_ns": issue,
+            "complete_ns": issue + dev_ns,
+            "dev_major": np.full(n, 7, np.uint32),
+            "dev_minor": np.zeros(n, np.uint32),
+            "dev_name": pa.array(np.where(block, dev, None)),
+            "sector": np.zeros(n, np.uint64),
+            "bytes": np.where(op == "flush", 0, rng.choice([4096, 65536, 1 << 20], n)
+                              ).astype(np.uint64),
+            "pid": np.full(n, 1, np.uint32),
+            "tgid": rng.choice([10, 20, 30], n).astype(np.uint32),
+            "comm": np.full(n, "engine"),
+            "cgroup_id": np.zeros(n, np.uint64),
+            "error": np.zeros(n, np.int32),
+            "uring_opcode": np.zeros(n, np.uint8),
+            "uring_ctx": np.zeros(n, np.uint64),
+        }, schema=schema.IO)
+        self.io = self.io.take(np.argsort(issue + dev_ns, kind="stable"))
+        windows = []
+        t = self.start
+        while t < self.start + seconds * NS:  # hook marks: prefill, decode, a gap
+            for phase, length in (("prefill", rng.integers(NS // 20, NS // 3)),
+                                  ("decode", rng.integers(NS // 4, NS)), (None, NS // 10)):
+                if phase:
+                    windows.append((t, t + int(length), phase, "hook"))
+                t += int(length)
+        for s in range(self.start, self.start + seconds * NS, 3 * NS):  # coarser metrics
+            windows.append((s, s + 2 * NS, "mixed", "metrics"))
+        self.windows = sorted(windows)
+        self.sent_io = 0
+        self.sent_windows = 0
+        self.con.register("_s", pa.Table.from_pylist([{
+            "session_id": "t", "host": "h", "kernel": "", "kvprof_version": "",
+            "bcc_version": "", "start_wall_ns": 0, "start_ns": self.start, "end_ns": None,
+            "clock_offset_ns": 0, "devices": "[]", "config": "{}", "lost": "{}",
+            "sources": "[]", "status": "recording"}], schema=schema.SESSION))
+        self.con.execute("INSERT INTO session SELECT * FROM _s")
+
+    def flush_until(self, now: int) -> None:
+        done = int(np.searchsorted(np.asarray(self.io["complete_ns"]), now, side="right"))
+        if done > self.sent_io:
+            self.con.register("_b", self.io.slice(self.sent_io, done - self.sent_io))
+            self.con.execute("INSERT INTO io SELECT * FROM _b")
+            self.sent_io = done
+        # Hook windows as they end; metrics windows a second late, as scrapes see them.
+        ready = [w for w in self.windows[self.sent_windows:]
+                 if w[1] + (NS if w[3] == "metrics" else 0) <= now]
+        if ready:
+            rows = [{"start_ns": s, "end_ns": e, "phase": p, "source": src, "engine": "e",
+                     "gpu": None, "prefill_tokens": None, "decode_tokens": None,
+                     "confidence": 1.0} for s, e, p, src in ready]
+            self.con.register("_w", pa.Table.from_pylist(rows, schema=schema.PHASE))
+            self.con.execute("INSERT INTO phase SELECT * FROM _w")
+            self.sent_windows += len(ready)
+        self.con.execute(f"UPDATE session SET end_ns = {now}")
+
+
+def test_cache_fed_in_completion_order_stays_equal_to_sql():
+    sess = Session(seconds=14, rate=4000)
+    cache = Rollup(IoCache())
+    checked = 0
+    for step in range(1, 30):
+        now = sess.start + step * NS // 2
+        sess.flush_until(now)
+        cache.cache.refresh(sess.con)
+        for window, f in ((10.0, Filters()), (60.0, Filters()), (None, Filters(device="loop7")),
+                          (10.0, Filters(tgid=20))):
+            if step % 3 and window != 10.0:
+                continue  # every view every third step; the live default every step
+            before = cache.rows_built
+            ours = build_snapshot(sess.con, window, now, f, cache)
+            assert_same_snapshot(ours, build_snapshot(sess.con, window, now, f))
+            checked += 1
+            if now - sess.start > 11 * NS and window == 10.0 and f == Filters():
+                # Incremental: a frame rebuilds the newest units, the one cut by the
+                # window's start and those a late row or window reached, not the window.
+                rebuilt, rows = cache.rows_built - before, len(cache.cache.rows(
+                    ours.t0_ns, ours.t1_ns))
+                assert rebuilt < 0.4 * rows, (rebuilt, rows)
+    assert checked > 40
+
+
+def test_views_past_the_cache_bound_fall_back_to_sql():
+    sess = Session(seconds=6, rate=4000)
+    sess.flush_until(sess.start + 6 * NS)
+    cache = Rollup(IoCache(max_rows=5000))
+    cache.cache.refresh(sess.con)
+    assert 4000 < len(cache.cache) <= 5000  # the newest rows; late ones issued earlier go
+    end = sess.start + 6 * NS
+    assert not cache.cache.covers(sess.start) and cache.cache.covers(end - NS // 2)
+    for window in (None, 1.0):
+        assert_same_snapshot(build_snapshot(sess.con, window, end, Filters(), cache),
+                             build_snapshot(sess.con, window, end))
