@@ -2,7 +2,12 @@
 
 An I/O belongs to the window that contains its issue time; time covered by no window is
 `idle`. Overlapping windows are flattened first: the more exact source wins, and among equals
-the later-starting window.
+the later-starting window. A phase's idle time is its time with no block request in flight,
+also counting requests issued before the window began.
+
+The rows come from SQL (the report, exports, any view of a recorded session), or from the live
+dashboard's row cache and its rollup (kvprof/rollup.py) when those hold the window: two ways
+to the same numbers, held equal by tests/test_live_cache.py.
 """
 from __future__ import annotations
 
@@ -13,9 +18,8 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from kvprof import schema
+from kvprof import rollup, schema
 from kvprof.intervals import busy_between, busy_islands, busy_islands_ordered
-from kvprof import rollup
 from kvprof.iocache import IoCache
 from kvprof.rollup import Rollup
 from kvprof.store import SessionInfo, phase_windows, session_info

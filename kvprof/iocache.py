@@ -114,20 +114,20 @@ class IoCache:
         """Read the rows stored since the last call; returns how many arrived. Row ids only
         grow: the store appends and never deletes io rows."""
         wm = self._next_rowid
-        pending, top = cur.execute(
-            f"SELECT count(*), max(rowid) FROM io WHERE rowid >= {wm}").fetchall()[0]
-        if not pending:
+        if wm == 0:
+            pending, top = cur.execute("SELECT count(*), max(rowid) FROM io").fetchall()[0]
+            if pending > self.max_rows:
+                # More than fits (a long recording opened for replay): skip the oldest rows.
+                # Rows skipped may still be issued later than the ones kept, so the cache
+                # vouches only for times after the last of them.
+                wm = top + 1 - self.max_rows
+                skipped = cur.execute(
+                    f"SELECT max(issue_ns) FROM io WHERE rowid < {wm}").fetchall()[0][0]
+                self._drop_before(int(skipped) + 1)
+        tbl = cur.sql(f"{_SELECT} WHERE rowid >= {wm}").to_arrow_table()
+        if tbl.num_rows == 0:
             return 0
-        if pending > self.max_rows:
-            # More than fits (a long recording opened for replay): skip the oldest rows. Rows
-            # skipped may still be issued later than the ones kept, so the cache vouches only
-            # for times after the last of them.
-            wm = top + 1 - self.max_rows
-            skipped = cur.execute(
-                f"SELECT max(issue_ns) FROM io WHERE rowid >= {self._next_rowid} "
-                f"AND rowid < {wm}").fetchall()[0][0]
-            self._drop_before(int(skipped) + 1)
-        tbl = cur.sql(f"{_SELECT} WHERE rowid >= {wm} AND rowid <= {top}").to_arrow_table()
+        top = pc.max(tbl.column(8)).as_py()
         self._next_rowid = top + 1
         new = self._columns(tbl)
         unnamed = [t for t in self.tgids if t not in self.comm]

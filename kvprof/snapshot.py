@@ -4,10 +4,12 @@
 `Snapshot`: the summary of `correlate.summarize` for the chosen window, a per-bin timeline,
 per-phase rates, GPU means and the findings. Widgets only render the newest snapshot, so
 they never query DuckDB and never see a half-built state. `SnapshotFeed` is the one
-background thread that rebuilds it on an interval. Nothing here imports textual.
+background thread that rebuilds it on an interval, from its row cache and rollup when they
+hold the span shown (see kvprof/rollup.py), else with SQL. Nothing here imports textual.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -222,14 +224,15 @@ def _phase_stats(p: str, ph: dict, per_bin: dict, ptime: np.ndarray) -> PhaseSta
 
 
 def _gpu(cur, t0: int, t1: int) -> tuple[GpuStats | None, str]:
+    w = f"(WHERE ts_ns >= {t0} AND ts_ns < {t1})"  # this window's samples
     try:
         row = cur.execute(f"""
-            SELECT count(DISTINCT gpu) FILTER (w), count(*) FILTER (w),
-                   avg(gpu_util_pct) FILTER (w), avg(mem_util_pct) FILTER (w),
-                   avg(sm_active_pct) FILTER (w), avg(power_w) FILTER (w),
-                   avg(pcie_rx_bytes_per_s) FILTER (w), avg(pcie_tx_bytes_per_s) FILTER (w),
+            SELECT count(DISTINCT gpu) FILTER {w}, count(*) FILTER {w},
+                   avg(gpu_util_pct) FILTER {w}, avg(mem_util_pct) FILTER {w},
+                   avg(sm_active_pct) FILTER {w}, avg(power_w) FILTER {w},
+                   avg(pcie_rx_bytes_per_s) FILTER {w}, avg(pcie_tx_bytes_per_s) FILTER {w},
                    count(*)
-            FROM gpu""".replace("(w)", f"(WHERE ts_ns >= {t0} AND ts_ns < {t1})")).fetchall()[0]
+            FROM gpu""").fetchall()[0]
     except duckdb.CatalogException:
         return None, "no GPU data: this session was recorded before NVML support"
     if not row[1]:
@@ -424,7 +427,10 @@ class SnapshotFeed:
 
     def _run(self) -> None:
         cur = self._con.cursor()  # this thread's own connection to the session
-        cache = feed_cache()
+        cache: Rollup | None = feed_cache()
+        if not self.clock.live and cur.execute("SELECT count(*) FROM io").fetchall()[0][0] \
+                > cache.cache.max_rows:
+            cache = None  # a replay too large to hold: every view from SQL, none read twice
         last = None
         try:
             while not self._stop.is_set():
@@ -437,8 +443,12 @@ class SnapshotFeed:
                     continue
                 last = (req, now)
                 try:
-                    cache.cache.refresh(cur)
+                    began = time.perf_counter()
+                    if cache is not None:
+                        cache.cache.refresh(cur)
                     snap = build_snapshot(cur, req.window_s, now, req.filters, cache)
+                    # The frame's cost: reading the new rows and building.
+                    snap = dataclasses.replace(snap, build_s=time.perf_counter() - began)
                 except Exception as e:  # noqa: BLE001 - shown on screen, never a crash
                     self._on_error(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
                 else:

@@ -195,3 +195,28 @@ def test_views_past_the_cache_bound_fall_back_to_sql():
     for window in (None, 1.0):
         assert_same_snapshot(build_snapshot(sess.con, window, end, Filters(), cache),
                              build_snapshot(sess.con, window, end))
+
+
+def test_gpu_line_averages_the_samples_of_its_window():
+    sess = Session(seconds=4, rate=500)
+    end = sess.start + 4 * NS
+    sess.flush_until(end)
+    ts = np.arange(sess.start + 2 * NS, end, NS // 10)  # 10 Hz from second 2 on
+    rows = [{"ts_ns": int(t), "gpu": g, "uuid": f"GPU-{g}", "gpu_util_pct": float(i % 97),
+             "mem_util_pct": 50.0 + g, "sm_active_pct": None if g else float(i % 13),
+             "tensor_active_pct": None, "dram_bw_util_pct": None,
+             "power_w": None if g else 300.0 + i, "pcie_rx_bytes_per_s": 1e9 * (g + 1),
+             "pcie_tx_bytes_per_s": 0.0, "process_util": "{}"}
+            for i, t in enumerate(ts) for g in (0, 1)]
+    sess.con.register("_g", pa.Table.from_pylist(rows, schema=schema.GPU))
+    sess.con.execute("INSERT INTO gpu SELECT * FROM _g")
+    s = build_snapshot(sess.con, 1.0, end)
+    inside = [r for r in rows if s.t0_ns <= r["ts_ns"] < s.t1_ns]
+    assert s.gpu.gpus == 2 and s.gpu.samples == len(inside) == 20
+    assert s.gpu.util_pct == pytest.approx(np.mean([r["gpu_util_pct"] for r in inside]))
+    # Fields a GPU does not support are left out of the mean, not counted as zero.
+    assert s.gpu.power_w == pytest.approx(np.mean([r["power_w"] for r in inside if r["gpu"] == 0]))
+    assert s.gpu.sm_active_pct == pytest.approx(
+        np.mean([r["sm_active_pct"] for r in inside if r["gpu"] == 0]))
+    early = build_snapshot(sess.con, 1.0, sess.start + NS)
+    assert early.gpu is None and early.gpu_note == "no GPU samples in this window"
