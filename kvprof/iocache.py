@@ -198,7 +198,14 @@ class IoCache:
         cap = len(self._cols["issue"])
         if self._n + k <= cap:
             return
-        size = cap if live + k <= cap // 2 else max(2 * cap, live + k)
+        # Grow by doubling up to a quarter above the row bound; from there, move the live
+        # rows to the front (every so many refreshes, as trimming frees the front).
+        limit = self.max_rows + self.max_rows // 4
+        need = live + k
+        if need <= cap and (need <= cap // 2 or cap >= limit):
+            size = cap
+        else:
+            size = max(need, min(2 * cap, limit))
         for name, col in self._cols.items():
             fresh = np.empty(size, col.dtype) if size != cap else col
             fresh[:live] = col[self._a:self._n]

@@ -220,3 +220,21 @@ def test_gpu_line_averages_the_samples_of_its_window():
         np.mean([r["sm_active_pct"] for r in inside if r["gpu"] == 0]))
     early = build_snapshot(sess.con, 1.0, sess.start + NS)
     assert early.gpu is None and early.gpu_note == "no GPU samples in this window"
+
+
+def test_cache_memory_stays_within_its_bound_while_rows_stream_through():
+    """Rows keep arriving and the oldest go: the arrays stop growing at their limit."""
+    sess = Session(seconds=12, rate=3000)
+    cache = IoCache(max_rows=8000)
+    for step in range(1, 25):
+        sess.flush_until(sess.start + step * NS // 2)
+        cache.refresh(sess.con)
+        assert len(cache) <= 8000
+        assert len(cache.col("issue")) == len(cache)
+        assert len(cache._cols["issue"]) <= 10000  # 8000 + a quarter
+    issue = cache.col("issue")
+    assert (np.diff(issue) >= 0).all()
+    # Every stored row issued since the cache's horizon is held, once.
+    stored = sess.con.execute(f"SELECT count(*) FROM io WHERE issue_ns >= {cache.lo_ns}"
+                              ).fetchall()[0][0]
+    assert stored == len(cache)
