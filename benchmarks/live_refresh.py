@@ -81,7 +81,7 @@ def main() -> int:
         switch = min(a.seconds - 15, 40)
         while time.monotonic() - t_start < switch:
             time.sleep(0.2)
-        feed.request = ViewRequest(window_s=60.0)
+        feed.ask(ViewRequest(window_s=60.0))
         fio.wait()
         feed.stop()
         stop.set()

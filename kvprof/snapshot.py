@@ -410,6 +410,8 @@ class SnapshotFeed:
         self._con, self.clock, self.interval_s = con, clock, interval_s
         self._deliver, self._on_error = deliver, on_error
         self.request = request  # replaced whole by the UI thread: a plain attribute swap
+        self._building: ViewRequest | None = None  # the view being built, if any
+        self._cur: duckdb.DuckDBPyConnection | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvprof-snapshot", daemon=True)
@@ -420,13 +422,22 @@ class SnapshotFeed:
     def wake(self) -> None:
         self._wake.set()
 
+    def ask(self, request: ViewRequest) -> None:
+        """Show this view next. A build for another view still running in SQL (a long
+        session's whole-session view) is interrupted rather than waited for."""
+        self.request = request
+        building = self._building
+        if building is not None and building != request and self._cur is not None:
+            self._cur.interrupt()
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
         self._thread.join(30)
 
     def _run(self) -> None:
-        cur = self._con.cursor()  # this thread's own connection to the session
+        cur = self._cur = self._con.cursor()  # this thread's own connection to the session
         cache: Rollup | None = feed_cache()
         if not self.clock.live and cur.execute("SELECT count(*) FROM io").fetchall()[0][0] \
                 > cache.cache.max_rows:
@@ -444,16 +455,22 @@ class SnapshotFeed:
                 last = (req, now)
                 try:
                     began = time.perf_counter()
+                    self._building = req
                     if cache is not None:
                         cache.cache.refresh(cur)
                     snap = build_snapshot(cur, req.window_s, now, req.filters, cache)
                     # The frame's cost: reading the new rows and building.
                     snap = dataclasses.replace(snap, build_s=time.perf_counter() - began)
+                except duckdb.InterruptException:
+                    last = None  # another view was asked for: build that one now
+                    continue
                 except Exception as e:  # noqa: BLE001 - shown on screen, never a crash
                     self._on_error(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
                 else:
                     if not self._stop.is_set():
                         self._deliver(snap)
+                finally:
+                    self._building = None
                 self._wake.wait(self.interval_s)
         finally:
             cur.close()

@@ -238,3 +238,47 @@ def test_cache_memory_stays_within_its_bound_while_rows_stream_through():
     stored = sess.con.execute(f"SELECT count(*) FROM io WHERE issue_ns >= {cache.lo_ns}"
                               ).fetchall()[0][0]
     assert stored == len(cache)
+
+
+def test_asking_for_another_view_interrupts_a_long_sql_build(monkeypatch):
+    """A whole-session view computed by SQL (the session outgrew the cache) takes seconds at
+    high rates; switching away from it does not wait for it."""
+    import threading
+    import time
+
+    import kvprof.snapshot as snapshot
+    from kvprof.snapshot import Clock, SnapshotFeed, ViewRequest
+
+    sess = Session(seconds=40, rate=25000)
+    end = sess.start + 40 * NS
+    sess.flush_until(end)
+    t = time.perf_counter()
+    build_snapshot(sess.con, None, end)
+    sql_s = time.perf_counter() - t
+    monkeypatch.setattr(snapshot, "feed_cache", lambda: Rollup(IoCache(max_rows=10)))
+    got, errors = [], []
+    arrived = threading.Event()
+
+    def deliver(s):
+        got.append((time.perf_counter(), s.window_s))
+        arrived.set()
+
+    feed = SnapshotFeed(sess.con, Clock(sess.start, end, playing=False), deliver,
+                        errors.append, interval_s=0.05, request=ViewRequest(window_s=None))
+    feed.start()
+    try:
+        while feed._building is None:  # the whole-session build is under way
+            time.sleep(0.005)
+        time.sleep(sql_s / 5)
+        asked = time.perf_counter()
+        feed.ask(ViewRequest(window_s=10.0))
+        deadline = time.monotonic() + 30
+        while not any(w == 10.0 for _, w in got) and time.monotonic() < deadline:
+            arrived.wait(0.1)
+            arrived.clear()
+    finally:
+        feed.stop()
+    first_10s = next(t for t, w in got if w == 10.0)
+    assert not errors
+    assert [w for t, w in got if t < first_10s] == []  # the session view never arrived
+    assert first_10s - asked < sql_s * 0.6, (first_10s - asked, sql_s)

@@ -305,8 +305,7 @@ class KvprofTop(App):
 
     def _set_request(self, **changes) -> None:
         self.request = replace(self.request, **changes)
-        self.feed.request = self.request
-        self.feed.wake()
+        self.feed.ask(self.request)
 
     # -- actions (keys, footer and command palette) ---------------------------------------
 
