@@ -201,7 +201,10 @@ class GpuLine(SnapshotView):
 
 class FindingsLine(SnapshotView):
     DEFAULT_CSS = "FindingsLine { height: auto; min-height: 3; max-height: 6; }"
-    error = reactive("")
+    # Its height follows its lines, so a new snapshot or error lays the screen out again
+    # (a repaint alone would keep the height of the text before).
+    snapshot: reactive[Snapshot | None] = reactive(None, layout=True)
+    error = reactive("", layout=True)
 
     def render(self) -> Text:
         if self.error:
@@ -210,9 +213,10 @@ class FindingsLine(SnapshotView):
 
     def render_snapshot(self, s: Snapshot) -> Text:
         t = Text()
-        for line in (*s.notes, *s.findings):
+        for i, line in enumerate((*s.notes, *s.findings)):
+            t.append("\n" if i else "")
             t.append("» ", style="bold")
-            t.append(line + "\n")
+            t.append(line)
         return t
 
 
