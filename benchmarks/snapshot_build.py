@@ -1,7 +1,7 @@
 """How long one dashboard refresh takes while a session records ~100k I/O events per second.
 
 Builds a synthetic session in DuckDB (io rows at RATE events/s, stored in completion order as
-the recorder stores them; 200 ms prefill + 800 ms decode windows every second), then plays
+the recorder stores them; a prefill then a decode window every period, 1/5 and 4/5 of it), then plays
 it live: every step appends the next half second of rows (the recorder's work, not timed)
 and times what the dashboard's feed does for one frame: read the new rows into its cache and
 build the snapshot. Baselines measured in the same run on the same rows: a bare DuckDB scan
@@ -32,8 +32,8 @@ class Synth:
     device times around 22 us and queue times around 1 us, four processes, one device plus
     its io_uring rows."""
 
-    def __init__(self, rate: int):
-        self.rate = rate
+    def __init__(self, rate: int, period_ns: int = NS):
+        self.rate, self.period_ns = rate, period_ns
         self.rng = np.random.default_rng(0)
         self.late: pa.Table | None = None  # rows issued already, completing in the next step
 
@@ -73,11 +73,12 @@ class Synth:
         self.late = tbl.filter(~done)
         return out
 
-    @staticmethod
-    def windows(t_from: int, t_to: int) -> pa.Table:
+    def windows(self, t_from: int, t_to: int) -> pa.Table:
+        """A prefill window then a decode window every `period_ns` (1/5 and 4/5 of it)."""
         rows = []
-        for s in range(t_from, t_to, NS):
-            for a, b, phase in ((s, s + NS // 5, "prefill"), (s + NS // 5, s + NS, "decode")):
+        p = self.period_ns
+        for s in range(t_from, t_to, p):
+            for a, b, phase in ((s, s + p // 5, "prefill"), (s + p // 5, s + p, "decode")):
                 rows.append({"start_ns": a, "end_ns": b, "phase": phase, "source": "hook",
                              "engine": "e", "gpu": None, "prefill_tokens": None,
                              "decode_tokens": None, "confidence": 1.0})
@@ -124,9 +125,11 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=60, help="seconds recorded before timing")
     ap.add_argument("--steps", type=int, default=20, help="half-second frames timed per window")
     ap.add_argument("--repeat", type=int, default=3, help="runs of each baseline")
+    ap.add_argument("--period-ms", type=int, default=1000,
+                    help="one prefill and one decode window per period (engine steps: ~50)")
     a = ap.parse_args()
     t = time.perf_counter()
-    synth = Synth(a.rate)
+    synth = Synth(a.rate, a.period_ms * 1_000_000)
     con = make_session(synth, a.history)
     now = START + a.history * NS
     print(f"session: {a.rate:,} events/s x {a.history} s = "

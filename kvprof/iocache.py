@@ -239,7 +239,17 @@ class IoCache:
     def slice(self, a: int, b: int, device: str | None = None,
               tgid: int | None = None) -> Rows:
         """Rows a..b (indices into the columns) that pass the filter."""
-        rows = Rows(*(self.col(k)[a:b] for k in _DTYPES))
+        return self._filter(Rows(*(self.col(k)[a:b] for k in _DTYPES)), device, tgid)
+
+    def take(self, ranges: list[tuple[int, int]], device: str | None = None,
+             tgid: int | None = None) -> Rows:
+        """The rows of several index ranges, in order, that pass the filter."""
+        if len(ranges) == 1:
+            return self.slice(*ranges[0], device, tgid)
+        idx = np.concatenate([np.arange(a, b) for a, b in ranges])
+        return self._filter(Rows(*(self.col(k)[idx] for k in _DTYPES)), device, tgid)
+
+    def _filter(self, rows: Rows, device: str | None, tgid: int | None) -> Rows:
         keep = None
         if device is not None:
             keep = rows.dev == self._dev_code.get(device, -2)

@@ -1,8 +1,9 @@
 """Aggregates of the row cache per unit of time, merged into any window's exact numbers.
 
-A unit is the part of one phase piece inside one second of the session grid. Its rows never
-change phase or second, so its aggregates are built once and reused by every refresh until
-a row arrives late into it (its row count changes) or the windows move (its key changes).
+A unit is one phase within one second of the session grid: the rows issued in that second
+inside that phase's windows. Its rows never change phase or second, so its aggregates are
+built once and reused by every refresh until a row arrives late into it (its row count
+changes) or the windows move (its key, which names its windows' bounds, changes).
 A refresh then only builds the newest units and the one cut by the window's start: about a
 second or two of rows, whatever the window's length.
 
@@ -54,12 +55,13 @@ def fine_bucket(ns: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Unit:
-    """Aggregates of the rows issued in [start, end), all in one phase and one grid second."""
+    """Aggregates of the rows of one phase issued within one grid second (between `start`
+    and `end`, in that phase's windows there)."""
     start: int
     end: int
     phase: str
     cell: int         # grid second the unit lies in
-    rows_seen: int    # unfiltered cached rows in [start, end) when built: the memo's check
+    rows_seen: int    # unfiltered cached rows in its windows when built: the memo's check
     ios: np.ndarray   # per group
     bytes: np.ndarray
     size_h: np.ndarray  # (group, log2 bucket) counts
@@ -118,30 +120,40 @@ class Rollup:
         last one on forever, as the whole-session report counts every row."""
         self._gen += 1
         issue = self.cache.col("issue")
-        bounds, phases = [], []
+        cuts = sorted(cuts)
+        seg_s, seg_e, seg_p = [], [], []
         for s, e, p in zip(ws.tolist(), we.tolist(), wp.tolist()):
             first = origin + (s - origin) // GRID_NS * GRID_NS
-            edges = [s, *range(first + GRID_NS, e, GRID_NS), e]
-            edges = sorted(set(edges) | {c for c in cuts if s < c < e})
-            bounds += list(zip(edges, edges[1:]))
-            phases += [p] * (len(edges) - 1)
-        if not bounds:
+            edges = sorted({s, *range(first + GRID_NS, e, GRID_NS), e,
+                            *(c for c in cuts if s < c < e)})
+            seg_s += edges[:-1]
+            seg_e += edges[1:]
+            seg_p += [p] * (len(edges) - 1)
+        if not seg_s:
             return []
-        starts = np.array([b[0] for b in bounds], np.int64)
-        ends = np.array([b[1] for b in bounds], np.int64)
-        cells = (starts - origin) // GRID_NS
+        starts = np.array(seg_s, np.int64)
+        ends = np.array(seg_e, np.int64)
+        cells = ((starts - origin) // GRID_NS).tolist()
+        sides = np.searchsorted(np.array(cuts, np.int64), starts, side="right").tolist()
         if unbounded:
             starts[0], ends[-1] = _MIN, _MAX
-        i0 = np.searchsorted(issue, starts, side="left")
-        i1 = np.searchsorted(issue, ends, side="left")
+        i0 = np.searchsorted(issue, starts, side="left").tolist()
+        i1 = np.searchsorted(issue, ends, side="left").tolist()
+        # One unit per (grid second, side of the cuts, phase): however many windows an
+        # engine marks per second, a second holds at most one unit per phase.
+        groups: dict[tuple, list[int]] = {}
+        for i, key in enumerate(zip(cells, sides, seg_p)):
+            groups.setdefault(key, []).append(i)
         out = []
-        for s, e, p, c, a, b in zip(starts.tolist(), ends.tolist(), phases, cells.tolist(),
-                                    i0.tolist(), i1.tolist()):
-            key = (s, e, p, device, tgid)
+        for (c, _, p), idx in groups.items():
+            segs = tuple((int(starts[i]), int(ends[i])) for i in idx)
+            key = (p, segs, device, tgid)
+            ranges = [(i0[i], i1[i]) for i in idx]
+            seen = sum(b - a for a, b in ranges)
             hit = self._memo.get(key)
-            if hit is None or hit[1].rows_seen != b - a:
-                rows = self.cache.slice(a, b, device, tgid)
-                hit = (self._gen, _build(rows, s, e, p, c, b - a))
+            if hit is None or hit[1].rows_seen != seen:
+                rows = self.cache.take(ranges, device, tgid)
+                hit = (self._gen, _build(rows, segs[0][0], segs[-1][1], p, c, seen))
                 self.built += 1
                 self.rows_built += len(rows)
             self._memo[key] = (self._gen, hit[1])
