@@ -4,10 +4,11 @@ reading only the rows stored since the last refresh.
 The live dashboard rebuilds its numbers twice a second. Re-running the SQL of
 `correlate.summarize` means re-joining and re-sorting every row of the window each time (about
 0.5 s for the million rows of a 10 s window at 100 k events/s). Here the rows arrive once; a
-window is then a slice found by binary search, each phase piece a sub-slice (rows are in issue
-order and an I/O belongs to the piece holding its issue time), and busy islands need no sort.
-`correlate` stays the one place that defines the numbers: it computes them from this cache
-when the cache holds the window and with SQL otherwise, and the tests hold both equal.
+time span is then a slice found by binary search (rows are in issue order, and an I/O belongs
+to the phase window holding its issue time), busy islands are extended as rows arrive with no
+sort, and running byte sums give any span's bytes by two lookups. kvprof/rollup.py keeps the
+per-second aggregates built from these rows; `correlate` computes the numbers from them when
+the cache holds the window and with SQL otherwise, and the tests hold both equal.
 """
 from __future__ import annotations
 
@@ -67,13 +68,6 @@ class Rows:
 
     def mask(self, keep: np.ndarray) -> "Rows":
         return Rows(*(getattr(self, k)[keep] for k in _DTYPES))
-
-    def pieces(self, piece_starts: np.ndarray) -> np.ndarray:
-        """Index of the piece each row's issue time falls in. The pieces cover the window
-        without gaps, so a row belongs to the last piece starting at or before it."""
-        cuts = np.searchsorted(self.issue, piece_starts[1:], side="left")
-        counts = np.diff(np.concatenate([[0], cuts, [len(self)]]))
-        return np.repeat(np.arange(len(piece_starts)), counts)
 
 
 class IoCache:
