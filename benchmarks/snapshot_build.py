@@ -142,7 +142,7 @@ def main() -> None:
     print(f"{'window':<9}{'rows':>11}{'scan ms':>9}{'SQL ms':>9}{'frame ms':>10}{'p95':>7}"
           f"{'max':>7}{'vs scan':>9}{'vs SQL':>8}  (frame: refresh + build)")
     for window in (10.0, 60.0, None):
-        build_snapshot(con, window, now, cache=feed)  # the window's first frame builds it all
+        build_snapshot(con, window, now, live=feed)  # the window's first frame builds it all
         frames = []
         for _ in range(a.steps):
             append(con, "io", synth.io(now, now + NS // 2))
@@ -152,7 +152,7 @@ def main() -> None:
             con.execute(f"UPDATE session SET end_ns = {now}")
             t = time.perf_counter()
             feed.cache.refresh(con)
-            build_snapshot(con, window, now, cache=feed)
+            build_snapshot(con, window, now, live=feed)
             frames.append(time.perf_counter() - t)
         t0 = START if window is None else now - int(window * NS)
         rows = con.execute(f"SELECT count(*) FROM io WHERE issue_ns >= {t0} AND "

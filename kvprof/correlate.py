@@ -95,11 +95,11 @@ class Filters:
 
 def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
               t1: int | None = None, filters: Filters = Filters(),
-              cache: Rollup | None = None, info: SessionInfo | None = None,
+              live: Rollup | None = None, info: SessionInfo | None = None,
               windows: pa.Table | None = None) -> dict:
     """The report as a dict; its shape is documented in the README and kept stable.
 
-    With a `cache` (the live dashboard's row cache and its rollup) that holds the window,
+    With `live` (the live dashboard's row cache and its rollup) holding the window,
     the I/O rows come from it instead of SQL; the numbers are the same either way. `info`,
     `windows`: the session row and phase windows when the caller has just read them."""
     info = info or session_info(con)
@@ -122,13 +122,13 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
             "io_uring": {op: _op_entry(0, 0, time_s) for op in MAIN_OPS},
         }
 
-    if cache is not None and cache.cache.covers(t0):
+    if live is not None and live.cache.covers(t0):
         # The whole session also counts rows issued outside its bounds, as the SQL does.
         whole = t0 == info.start_ns and t1 == info.end_ns
-        units = cache.units(ws, we, wp, info.start_ns, filters.device, filters.tgid,
+        units = live.units(ws, we, wp, info.start_ns, filters.device, filters.tgid,
                             unbounded=whole)
         stats = rollup.stats(units)
-        islands_of, present = _islands_cached(cache.cache, filters, units)
+        islands_of, present = _islands_cached(live.cache, filters, units)
     else:
         stats = _stats_sql(con, _bounds(info, t0, t1, filters), ws, wp)
         islands_of, present = _islands_sql(con, info, t0, t1, filters)

@@ -258,10 +258,10 @@ def _recent_sql(cur, t0: int, t1: int, io_filter: str):
 
 
 def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_ns: int,
-                   filters: Filters = Filters(), cache: Rollup | None = None) -> Snapshot:
-    """The dashboard's data for the window ending at `now_ns` (session clock). With a
-    `cache` (a row cache the caller refreshed, and its rollup) that holds the span shown,
-    the I/O rows come from it; otherwise from SQL. The numbers are the same."""
+                   filters: Filters = Filters(), live: Rollup | None = None) -> Snapshot:
+    """The dashboard's data for the window ending at `now_ns` (session clock). With `live`
+    (a row cache the caller refreshed, and its rollup) holding the span shown, the I/O rows
+    come from it; otherwise from SQL. The numbers are the same."""
     started = time.perf_counter()
     info = session_info(con)
     origin = info.start_ns
@@ -274,10 +274,10 @@ def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_n
     bin_ns = max(1, math.ceil((t1 - span_t0) / TIMELINE_BINS))
     edges = span_t0 + np.arange(TIMELINE_BINS + 1, dtype=np.int64) * bin_ns
     lo = max(span_t0, origin)
-    if cache is not None and not cache.cache.covers(lo):
-        cache = None  # the span reaches back past what the cache holds
+    if live is not None and not live.cache.covers(lo):
+        live = None  # the span reaches back past what the cache holds
     windows = phase_windows(con)
-    summary = summarize(con, t0, t1, filters, cache, info, windows)
+    summary = summarize(con, t0, t1, filters, live, info, windows)
 
     ws, we, wp = flatten(windows, lo, max(t1, origin + 1))
     # Per-second rates inside the window by phase: grid seconds, the outer two cut at t0, t1.
@@ -285,7 +285,7 @@ def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_n
     ncells = max(1, (max(t1 - 1, t0) - origin) // GRID_NS - c0 + 1)
     rate_edges = origin + (c0 + np.arange(ncells + 1, dtype=np.int64)) * GRID_NS
     rate_edges[0], rate_edges[-1] = t0, max(t1, t0)
-    if cache is None:
+    if live is None:
         lookup_start = ws.copy()
         if len(lookup_start):
             lookup_start[0] = np.iinfo(np.int64).min
@@ -294,15 +294,15 @@ def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_n
         total = _timeline_bytes(con, span_t0, t1, bin_ns, io_filter)
         recent, window_devices, procs = _recent_sql(con, t0, t1, io_filter)
     else:
-        units = cache.units(ws, we, wp, origin, filters.device, filters.tgid, cuts=(t0,))
+        units = live.units(ws, we, wp, origin, filters.device, filters.tgid, cuts=(t0,))
         per_bin = rollup.bytes_by_cell([u for u in units if u.start >= t0], c0, ncells)
-        total = _timeline_bytes_cached(cache.cache, units, edges, t1, filters)
-        recent = len(cache.cache.rows(t1 - NS, t1, filters.device, filters.tgid))
+        total = _timeline_bytes_cached(live.cache, units, edges, t1, filters)
+        recent = len(live.cache.rows(t1 - NS, t1, filters.device, filters.tgid))
         # The device and process choices list every I/O of the window, not the filtered.
-        plain = units if filters == Filters() else cache.units(ws, we, wp, origin, cuts=(t0,))
+        plain = units if filters == Filters() else live.units(ws, we, wp, origin, cuts=(t0,))
         plain = [u for u in plain if u.start >= t0]
-        window_devices = rollup.devices(plain, cache.cache)
-        procs = rollup.busiest(plain, cache.cache)
+        window_devices = rollup.devices(plain, live.cache)
+        procs = rollup.busiest(plain, live.cache)
     ptime = _phase_time(ws, we, wp, rate_edges)
     phases = tuple(_phase_stats(p, summary["phases"][p], per_bin, ptime[p])
                    for p in schema.PHASES)
@@ -438,10 +438,10 @@ class SnapshotFeed:
 
     def _run(self) -> None:
         cur = self._cur = self._con.cursor()  # this thread's own connection to the session
-        cache: Rollup | None = feed_cache()
+        live: Rollup | None = feed_cache()
         if not self.clock.live and cur.execute("SELECT count(*) FROM io").fetchall()[0][0] \
-                > cache.cache.max_rows:
-            cache = None  # a replay too large to hold: every view from SQL, none read twice
+                > live.cache.max_rows:
+            live = None  # a replay too large to hold: every view from SQL, none read twice
         last = None
         try:
             while not self._stop.is_set():
@@ -456,9 +456,9 @@ class SnapshotFeed:
                 try:
                     began = time.perf_counter()
                     self._building = req
-                    if cache is not None:
-                        cache.cache.refresh(cur)
-                    snap = build_snapshot(cur, req.window_s, now, req.filters, cache)
+                    if live is not None:
+                        live.cache.refresh(cur)
+                    snap = build_snapshot(cur, req.window_s, now, req.filters, live)
                     # The frame's cost: reading the new rows and building.
                     snap = dataclasses.replace(snap, build_s=time.perf_counter() - began)
                 except duckdb.InterruptException:

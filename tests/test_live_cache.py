@@ -66,16 +66,16 @@ def sample():
 @pytest.mark.parametrize("window_s", [None, 60.0, 10.0, 1.0])
 def test_cache_gives_the_report_of_the_sample(sample, window_s):
     con, info = sample
-    cache = Rollup(IoCache())
-    assert cache.cache.refresh(con) == con.execute("SELECT count(*) FROM io").fetchall()[0][0]
+    live = Rollup(IoCache())
+    assert live.cache.refresh(con) == con.execute("SELECT count(*) FROM io").fetchall()[0][0]
     dev = info.devices[0]["name"]
     fio = next(t for t, c in build_snapshot(con, None, info.end_ns).process_choices
                if c == "fio")
     for now in (info.end_ns, info.start_ns + (info.end_ns - info.start_ns) * 2 // 3):
         for f in (Filters(), Filters(device=dev), Filters(tgid=fio), Filters(device="none")):
-            ours = build_snapshot(con, window_s, now, f, cache)
+            ours = build_snapshot(con, window_s, now, f, live)
             assert_same_snapshot(ours, build_snapshot(con, window_s, now, f))
-            assert_same_report(summarize(con, ours.t0_ns, ours.t1_ns, f, cache),
+            assert_same_report(summarize(con, ours.t0_ns, ours.t1_ns, f, live),
                                summarize(con, ours.t0_ns, ours.t1_ns, f))
 
 
@@ -161,24 +161,24 @@ class Session:
 
 def test_cache_fed_in_completion_order_stays_equal_to_sql():
     sess = Session(seconds=14, rate=4000)
-    cache = Rollup(IoCache())
+    live = Rollup(IoCache())
     checked = 0
     for step in range(1, 30):
         now = sess.start + step * NS // 2
         sess.flush_until(now)
-        cache.cache.refresh(sess.con)
+        live.cache.refresh(sess.con)
         for window, f in ((10.0, Filters()), (60.0, Filters()), (None, Filters(device="loop7")),
                           (10.0, Filters(tgid=20))):
             if step % 3 and window != 10.0:
                 continue  # every view every third step; the live default every step
-            before = cache.rows_built
-            ours = build_snapshot(sess.con, window, now, f, cache)
+            before = live.rows_built
+            ours = build_snapshot(sess.con, window, now, f, live)
             assert_same_snapshot(ours, build_snapshot(sess.con, window, now, f))
             checked += 1
             if now - sess.start > 11 * NS and window == 10.0 and f == Filters():
                 # Incremental: a frame rebuilds the newest units, the one cut by the
                 # window's start and those a late row or window reached, not the window.
-                rebuilt, rows = cache.rows_built - before, len(cache.cache.rows(
+                rebuilt, rows = live.rows_built - before, len(live.cache.rows(
                     ours.t0_ns, ours.t1_ns))
                 assert rebuilt < 0.4 * rows, (rebuilt, rows)
     assert checked > 40
@@ -187,13 +187,13 @@ def test_cache_fed_in_completion_order_stays_equal_to_sql():
 def test_views_past_the_cache_bound_fall_back_to_sql():
     sess = Session(seconds=6, rate=4000)
     sess.flush_until(sess.start + 6 * NS)
-    cache = Rollup(IoCache(max_rows=5000))
-    cache.cache.refresh(sess.con)
-    assert 4000 < len(cache.cache) <= 5000  # the newest rows; late ones issued earlier go
+    live = Rollup(IoCache(max_rows=5000))
+    live.cache.refresh(sess.con)
+    assert 4000 < len(live.cache) <= 5000  # the newest rows; late ones issued earlier go
     end = sess.start + 6 * NS
-    assert not cache.cache.covers(sess.start) and cache.cache.covers(end - NS // 2)
+    assert not live.cache.covers(sess.start) and live.cache.covers(end - NS // 2)
     for window in (None, 1.0):
-        assert_same_snapshot(build_snapshot(sess.con, window, end, Filters(), cache),
+        assert_same_snapshot(build_snapshot(sess.con, window, end, Filters(), live),
                              build_snapshot(sess.con, window, end))
 
 
