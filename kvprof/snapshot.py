@@ -276,7 +276,7 @@ def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_n
     lo = max(span_t0, origin)
     if live is not None and not live.cache.covers(lo):
         live = None  # the span reaches back past what the cache holds
-    windows = phase_windows(con)
+    windows = phase_windows(con, lo, max(t1, origin + 1))
     summary = summarize(con, t0, t1, filters, live, info, windows)
 
     ws, we, wp = flatten(windows, lo, max(t1, origin + 1))
@@ -319,8 +319,8 @@ def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_n
 
     notes = []
     if not len(windows):
-        notes.append("no phase data: all time counts as idle (send `kvprof mark` or use "
-                     "--phases)")
+        notes.append("no phase windows in view: all time counts as idle (send `kvprof mark` "
+                     "or use --phases)")
     if not any(p.ios for p in phases):
         notes.append(f"no I/O in this window ({filters.label()})")
     s = summary["session"]

@@ -120,14 +120,18 @@ def open_session(session: str | Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def phase_windows(con: duckdb.DuckDBPyConnection) -> pa.Table:
-    """Closed windows plus those still open at the last flush (absent in older sessions)."""
-    query = "SELECT start_ns, end_ns, phase, source FROM phase"
+def phase_windows(con: duckdb.DuckDBPyConnection, t0: int | None = None,
+                  t1: int | None = None) -> pa.Table:
+    """Closed windows plus those still open at the last flush (absent in older sessions);
+    with bounds, only those reaching into [t0, t1): a live view need not read, every frame,
+    the thousands of windows an engine marks per minute."""
+    where = "" if t0 is None else f" WHERE end_ns > {int(t0)} AND start_ns < {int(t1)}"
+    query = "SELECT start_ns, end_ns, phase, source FROM {}" + where
     try:
-        return con.sql(query + " UNION ALL SELECT start_ns, end_ns, phase, source "
-                       "FROM phase_open").to_arrow_table()
+        return con.sql(query.format("phase") + " UNION ALL " +
+                       query.format("phase_open")).to_arrow_table()
     except duckdb.CatalogException:
-        return con.sql(query).to_arrow_table()
+        return con.sql(query.format("phase")).to_arrow_table()
 
 
 def session_info(con: duckdb.DuckDBPyConnection) -> SessionInfo:

@@ -282,3 +282,20 @@ def test_asking_for_another_view_interrupts_a_long_sql_build(monkeypatch):
     assert not errors
     assert [w for t, w in got if t < first_10s] == []  # the session view never arrived
     assert first_10s - asked < sql_s * 0.6, (first_10s - asked, sql_s)
+
+
+def test_a_frame_reads_only_the_windows_reaching_into_its_view():
+    from kvprof.store import phase_windows
+
+    sess = Session(seconds=6, rate=100)
+    sess.flush_until(sess.start + 6 * NS)
+    sess.con.execute(f"INSERT INTO phase_open VALUES ({sess.start + 5 * NS}, "
+                     f"{sess.start + 6 * NS}, 'decode', 'hook', 'e', NULL, NULL, NULL, 1.0)")
+    every = phase_windows(sess.con).to_pylist()
+    t0, t1 = sess.start + 2 * NS, sess.start + 4 * NS
+    some = phase_windows(sess.con, t0, t1).to_pylist()
+    assert sorted(map(str, some)) == sorted(str(w) for w in every
+                                            if w["end_ns"] > t0 and w["start_ns"] < t1)
+    assert 0 < len(some) < len(every)
+    late = phase_windows(sess.con, sess.start + 5 * NS + 1, sess.start + 7 * NS).to_pylist()
+    assert any(w["start_ns"] == sess.start + 5 * NS and w["phase"] == "decode" for w in late)
