@@ -3,6 +3,7 @@ in a real terminal (tmux), the findings, and replay of a Parquet export."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -182,6 +183,10 @@ def test_pilot_keys_change_window_filter_and_pause(sample):
     app = asyncio.run(run())
     assert app.return_code in (0, None)
     assert {s.window_s for s in posted} >= {None, 10.0}
+    # The first message, the whole session at its end, is what `kvprof report --json` prints.
+    out = run_kvprof("report", str(SAMPLE), "--json")
+    assert out.returncode == 0, out.stderr
+    assert_same_report(posted[0].summary, json.loads(out.stdout))
     # Every message carries the report of its window and filter (built from the feed's row
     # cache, held equal to the SQL of `kvprof report`).
     for s in posted[:: max(1, len(posted) // 6)] + posted[-1:]:
