@@ -24,7 +24,6 @@ from kvprof.iocache import IoCache
 from kvprof.rollup import Rollup
 from kvprof.store import SessionInfo, phase_windows, session_info
 
-QUANTILES = schema.QUANTILES
 MAIN_OPS = ("read", "write")
 
 
@@ -65,9 +64,9 @@ def _op_entry(bytes_: int, ios: int, time_s: float) -> dict:
         "ios": int(ios),
         "bandwidth_bytes_per_s": bytes_ / time_s if time_s > 0 else 0.0,
         "iops": ios / time_s if time_s > 0 else 0.0,
-        "latency_us": {k: None for k, _ in QUANTILES},
-        "queue_us": {k: None for k, _ in QUANTILES},
-        "device_us": {k: None for k, _ in QUANTILES},
+        "latency_us": {k: None for k, _ in schema.QUANTILES},
+        "queue_us": {k: None for k, _ in schema.QUANTILES},
+        "device_us": {k: None for k, _ in schema.QUANTILES},
         "size_hist": {},
         "latency_hist_us": {},
     }
@@ -136,7 +135,7 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
         entry = phases[p][layer].setdefault(op, _op_entry(0, 0, phases[p]["time_s"]))
         entry.update(_op_entry(nbytes or 0, ios, phases[p]["time_s"]))
         for key, vals in (("latency_us", lat), ("queue_us", queue), ("device_us", dev)):
-            entry[key] = {k: float(v) for (k, _), v in zip(QUANTILES, vals)}
+            entry[key] = {k: float(v) for (k, _), v in zip(schema.QUANTILES, vals)}
         for key, hist in (("size_hist", sizes), ("latency_hist_us", lats)):
             entry[key] = {str(int(b)): int(n) for b, n in sorted(dict(hist).items())}
 
@@ -189,7 +188,7 @@ def _stats_sql(con, bounds: str, ws, wp) -> list[tuple]:
                    complete_ns - issue_ns AS device_ns
             FROM (SELECT * FROM io {bounds}) io
             ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start""")
-        qs = "[" + ", ".join(str(q) for _, q in QUANTILES) + "]"
+        qs = "[" + ", ".join(str(q) for _, q in schema.QUANTILES) + "]"
         # One pass over the joined rows: counts, exact quantiles and both log2 histograms.
         return con.execute(f"""
             SELECT phase, layer, op, count(*), sum(bytes)::UBIGINT,

@@ -71,14 +71,12 @@ class Rows:
 
 
 class IoCache:
-    """io rows with issue time in [lo_ns, ...), appended as the store grows.
+    """io rows with issue time in [lo_ns, ...), appended as the store grows: at most
+    `max_rows`, dropping the oldest by issue time. Used by one thread at a time (the
+    dashboard's feed)."""
 
-    `retain_ns`: keep only rows issued within this span of the newest one (live); None keeps
-    all (replay). Either way at most `max_rows`, dropping the oldest by issue time. Used by
-    one thread at a time (the dashboard's feed)."""
-
-    def __init__(self, retain_ns: int | None = None, max_rows: int = MAX_ROWS):
-        self.retain_ns, self.max_rows = retain_ns, max_rows
+    def __init__(self, max_rows: int = MAX_ROWS):
+        self.max_rows = max_rows
         self.lo_ns = np.iinfo(np.int64).min  # every stored row issued at or after it is here
         self.dev_names: list[str] = []
         self.tgids: list[int] = []
@@ -214,12 +212,8 @@ class IoCache:
         if self._n == self._a:
             return
         issue = self.col("issue")
-        horizon = self.lo_ns
-        if self.retain_ns is not None:
-            horizon = max(horizon, int(issue[-1]) - self.retain_ns)
         if len(issue) > self.max_rows:
-            horizon = max(horizon, int(issue[len(issue) - self.max_rows]))
-        self._drop_before(horizon)
+            self._drop_before(int(issue[len(issue) - self.max_rows]))
 
     def _drop_before(self, t: int) -> None:
         if t <= self.lo_ns:
@@ -263,8 +257,9 @@ class IoCache:
         at = self._a + np.searchsorted(self.col("issue"), edges, side="left")
         return np.vstack([np.diff(self._cum[lay][at]) for lay in range(len(schema.LAYERS))])
 
-    def device_code(self, name: str) -> int | None:
-        return self._dev_code.get(name)
+    def device_code(self, name: str) -> int:
+        """The device's code in the dev column; one no row has when it never did I/O."""
+        return self._dev_code.get(name, -2)
 
     def islands(self, device: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Busy islands of the cached block rows, of one device or of all."""

@@ -29,7 +29,6 @@ LOG2_BINS = 64
 FINE_BITS = 5  # 32 fine buckets per octave: a rank's bucket holds a few % of the values
 # Bucket 0: negative values; 1 .. 2**FINE_BITS: the values 0 .. 2**FINE_BITS - 1 exactly.
 NFINE = 1 + ((63 - FINE_BITS + 1) << FINE_BITS)
-QUANTILES = schema.QUANTILES
 BLOCK = schema.LAYERS.index(schema.LAYER_BLOCK)
 IO_URING = schema.LAYERS.index(schema.LAYER_IO_URING)
 _MIN, _MAX = np.iinfo(np.int64).min, np.iinfo(np.int64).max
@@ -110,7 +109,7 @@ class Rollup:
         self.cache = cache
         self._memo: dict[tuple, tuple[int, Unit]] = {}
         self._gen = 0
-        self.built = self.rows_built = 0  # units (and their rows) built so far: for tests
+        self.rows_built = 0  # rows aggregated into units so far: for tests
 
     def units(self, ws: np.ndarray, we: np.ndarray, wp: np.ndarray, origin: int,
               device: str | None = None, tgid: int | None = None, cuts: tuple = (),
@@ -154,7 +153,6 @@ class Rollup:
             if hit is None or hit[1].rows_seen != seen:
                 rows = self.cache.take(ranges, device, tgid)
                 hit = (self._gen, _build(rows, segs[0][0], segs[-1][1], p, c, seen))
-                self.built += 1
                 self.rows_built += len(rows)
             self._memo[key] = (self._gen, hit[1])
             out.append(hit[1])
@@ -185,7 +183,7 @@ class _Runs:
         """quantile_cont of the metric (ns) / 1e3 over group g: linear between the order
         statistics around (n-1)*q. The division is monotonic, so ranks pick integers."""
         cum = np.concatenate([[0], np.cumsum(self.counts[g])]).astype(np.int64)
-        pos = [(n - 1) * q for _, q in QUANTILES]
+        pos = [(n - 1) * q for _, q in schema.QUANTILES]
         ranks = sorted({int(np.floor(r)) for r in pos} | {int(np.ceil(r)) for r in pos})
         buckets = (np.searchsorted(cum, ranks, side="right") - 1).tolist()
         value: dict[int, int] = {}

@@ -20,13 +20,12 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from kvprof import schema
+from kvprof import rollup, schema
 from kvprof.correlate import Filters, flatten, summarize
+from kvprof.findings import findings
 from kvprof.intervals import busy_between
-from kvprof import rollup
 from kvprof.iocache import IoCache
 from kvprof.rollup import GRID_NS, Rollup
-from kvprof.findings import findings
 from kvprof.store import phase_windows, session_info
 
 NS = 1_000_000_000
@@ -167,7 +166,7 @@ def _timeline_bytes_cached(cache: IoCache, units: list, edges: np.ndarray, t1: i
                            filters: Filters) -> np.ndarray:
     """The same from the cache: by its running byte sums, or, filtered, from the rows."""
     seen = rollup.layers_seen(units)
-    use = rollup.BLOCK if seen[rollup.BLOCK] or not seen.any() else rollup.IO_URING
+    use = rollup.BLOCK if seen[rollup.BLOCK] else rollup.IO_URING
     cut = np.minimum(edges, t1)
     if filters == Filters():
         return cache.layer_bytes(cut)[use]
