@@ -137,33 +137,51 @@ def test_io_uring_reads_equal_fio_count(loopdev, start_recorder, tmp_path):
     assert_kernel_count(idle["block"]["read"]["ios"], stat_delta(s0, s1)[READ_IOS], report)
 
 
-def test_time_idle_matches_io_ticks(loopdev, start_recorder):
-    if shutil.which("fio") is None:
-        pytest.skip("needs fio")
-    rec = start_recorder("-d", loopdev)
+def _idle_run(loopdev, start_recorder, tmp_path, attempt: int):
+    """One decode window: ~2 s of back-to-back sequential reads (always something in
+    flight), then ~2 s idle. Returns kvprof's report, the kernel's idle %, fio's busy ms."""
+    rec = start_recorder("-d", loopdev, name=f"idle{attempt}")
     marker = Marker(rec.socket)
     settle(loopdev)
+    out = tmp_path / f"fio{attempt}.json"
     t_a = time.monotonic_ns()
     s_a = read_stat(loopdev)
     marker.mark("decode", ts_ns=t_a)
-    # ~2 s of back-to-back sequential reads (always something in flight), then ~2 s idle.
     subprocess.run(["fio", "--name=seq", f"--filename=/dev/{loopdev}", "--rw=read",
                     "--bs=128k", "--direct=1", "--ioengine=io_uring", "--iodepth=16", "--numjobs=2",
-                    "--time_based", "--runtime=2", "--size=200M", "--output=/dev/null"],
-                   check=True)
+                    "--time_based", "--runtime=2", "--size=200M", "--output-format=json",
+                    f"--output={out}"], check=True)
     time.sleep(2)
     s_b = read_stat(loopdev)
     t_b = time.monotonic_ns()
     marker.mark("idle", ts_ns=t_b)
     time.sleep(0.1)
     assert rec.stop() == 0
-    report = rec.report()
     window_ms = (t_b - t_a) / 1e6
-    kernel_idle = 100 * (1 - stat_delta(s_a, s_b)[IO_TICKS] / window_ms)
-    ours = report["phases"]["decode"]["block"]["time_idle_pct"]
-    print(f"time idle %: kvprof {ours:.2f}, kernel io_ticks {kernel_idle:.2f}")
-    # the workload did what it should
-    assert 25 < kernel_idle < 75, (ours, kernel_idle, stat_delta(s_a, s_b), window_ms)
+    delta = stat_delta(s_a, s_b)
+    fio_ms = max(j["job_runtime"] for j in json.loads(out.read_text())["jobs"])
+    return rec.report(), 100 * (1 - delta[IO_TICKS] / window_ms), fio_ms, window_ms, delta
+
+
+def test_time_idle_matches_io_ticks(loopdev, start_recorder, tmp_path):
+    if shutil.which("fio") is None:
+        pytest.skip("needs fio")
+    for attempt in range(3):
+        report, kernel_idle, fio_ms, window_ms, delta = _idle_run(loopdev, start_recorder,
+                                                                  tmp_path, attempt)
+        ours = report["phases"]["decode"]["block"]["time_idle_pct"]
+        print(f"time idle %: kvprof {ours:.2f}, kernel io_ticks {kernel_idle:.2f}; busy ms: "
+              f"kvprof {(100 - ours) * window_ms / 100:.0f}, fio {fio_ms}")
+        # fio's own clock: the reads kept something in flight for as long as fio ran.
+        assert abs((100 - ours) * window_ms / 100 - fio_ms) <= 0.1 * fio_ms, (ours, fio_ms, window_ms)
+        # Once in a few dozen runs the kernel's io_ticks counts nearly the whole window busy
+        # (seen: 96 % with sector and read-tick counts of exactly 2 s of reads). That is the
+        # kernel's figure going wrong, not the workload: measure again.
+        if 25 < kernel_idle < 75:
+            break
+        print(f"kernel io_ticks implausible for this script, measuring again: {delta}")
+    else:
+        pytest.fail(f"kernel io_ticks implausible in 3 runs (last {kernel_idle:.1f} % idle)")
     assert abs(ours - kernel_idle) <= 2.0, (ours, kernel_idle)
     assert report["phases"]["decode"]["block"]["devices"][loopdev]["time_idle_pct"] == ours
 
