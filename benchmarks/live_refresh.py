@@ -24,8 +24,9 @@ from pathlib import Path
 
 from kvprof.markers import Marker
 from kvprof.record import BackgroundRecorder, RecordOptions
+from kvprof.rowsource import SqlRows
 from kvprof.snapshot import Clock, SnapshotFeed, ViewRequest, build_snapshot
-from kvprof.store import session_info
+from kvprof.store import Reader, session_info
 
 NS = 1_000_000_000
 
@@ -69,7 +70,7 @@ def main() -> int:
             frames.append((time.monotonic() - t_start, snap.window_s, snap.build_s,
                            snap.events_per_s))
 
-        feed = SnapshotFeed(con, clock, deliver, on_error=print,
+        feed = SnapshotFeed(Reader(con), clock, deliver, on_error=print,
                             request=ViewRequest(window_s=10.0))
         threading.Thread(target=hook, args=(str(tmp / "m.sock"), stop), daemon=True).start()
         fio = subprocess.Popen(["fio", "--name=b", f"--filename={dev}", "--rw=randread",
@@ -108,7 +109,7 @@ def main() -> int:
             scan()
             scan_s = time.perf_counter() - s
             s = time.perf_counter()
-            build_snapshot(cur, window, end)
+            build_snapshot(SqlRows(cur), window, end)
             sql_s = time.perf_counter() - s
             med = statistics.median(times)
             print(f"{window:.0f} s{'':<5}{len(mine):>7}{statistics.median(f[3] for f in mine):>10,.0f}"

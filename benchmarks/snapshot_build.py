@@ -21,7 +21,8 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import schema
-from kvprof.snapshot import build_snapshot, feed_cache
+from kvprof.rowsource import LiveRows, SqlRows, feed_cache
+from kvprof.snapshot import build_snapshot
 
 NS = 1_000_000_000
 START = 10 * NS
@@ -136,13 +137,14 @@ def main() -> None:
           f"{con.execute('SELECT count(*) FROM io').fetchall()[0][0]:,} io rows; "
           f"built in {time.perf_counter() - t:.1f} s")
     feed = feed_cache()  # what the dashboard's feed holds
+    live, sql = LiveRows(SqlRows(con), feed), SqlRows(con)
     t = time.perf_counter()
     feed.cache.refresh(con)
     print(f"feed attaches: first read of {len(feed.cache):,} rows {time.perf_counter() - t:.2f} s")
     print(f"{'window':<9}{'rows':>11}{'scan ms':>9}{'SQL ms':>9}{'frame ms':>10}{'p95':>7}"
           f"{'max':>7}{'vs scan':>9}{'vs SQL':>8}  (frame: refresh + build)")
     for window in (10.0, 60.0, None):
-        build_snapshot(con, window, now, live=feed)  # the window's first frame builds it all
+        build_snapshot(live, window, now)  # the window's first frame builds it all
         frames = []
         for _ in range(a.steps):
             append(con, "io", synth.io(now, now + NS // 2))
@@ -151,8 +153,8 @@ def main() -> None:
             now += NS // 2
             con.execute(f"UPDATE session SET end_ns = {now}")
             t = time.perf_counter()
-            feed.cache.refresh(con)
-            build_snapshot(con, window, now, live=feed)
+            live.refresh()
+            build_snapshot(live, window, now)
             frames.append(time.perf_counter() - t)
         t0 = START if window is None else now - int(window * NS)
         rows = con.execute(f"SELECT count(*) FROM io WHERE issue_ns >= {t0} AND "
@@ -160,13 +162,13 @@ def main() -> None:
         scan = timed(lambda: con.execute(
             f"SELECT count(*), sum(bytes), sum(complete_ns - issue_ns) FROM io "
             f"WHERE issue_ns >= {t0} AND issue_ns < {now}").fetchall(), a.repeat)
-        sql = timed(lambda: build_snapshot(con, window, now), a.repeat)
+        sql_s = timed(lambda: build_snapshot(sql, window, now), a.repeat)
         med = statistics.median(frames)
         p95 = sorted(frames)[int(0.95 * (len(frames) - 1))]
         label = "session" if window is None else f"{window:.0f} s"
-        print(f"{label:<9}{rows:>11,}{scan * 1e3:>9.1f}{sql * 1e3:>9.0f}{med * 1e3:>10.1f}"
+        print(f"{label:<9}{rows:>11,}{scan * 1e3:>9.1f}{sql_s * 1e3:>9.0f}{med * 1e3:>10.1f}"
               f"{p95 * 1e3:>7.1f}{max(frames) * 1e3:>7.1f}{med / scan:>8.1f}x"
-              f"{med / sql:>8.2f}x")
+              f"{med / sql_s:>8.2f}x")
 
 
 if __name__ == "__main__":

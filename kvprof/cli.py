@@ -138,12 +138,13 @@ def cmd_top(args) -> int:
 
 def cmd_report(args) -> int:
     from kvprof.correlate import summarize
+    from kvprof.rowsource import SqlRows
     from kvprof.report import to_json, to_text
     from kvprof.store import open_session
 
     con = open_session(args.session)
     try:
-        summary = summarize(con)
+        summary = summarize(SqlRows(con))
     finally:
         con.close()
     sys.stdout.write(to_json(summary) + "\n" if args.json else to_text(summary, args.session))

@@ -1,30 +1,36 @@
-"""Per-phase storage numbers from a session store. Reads only; every view shows what this returns.
+"""Per-phase storage numbers: every measure a view shows is computed here, once.
 
 An I/O belongs to the window that contains its issue time; time covered by no window is
 `idle`. Overlapping windows are flattened first: the more exact source wins, and among equals
 the later-starting window. A phase's idle time is its time with no block request in flight,
 also counting requests issued before the window began.
 
-The rows come from SQL (the report, exports, any view of a recorded session), or from the live
-dashboard's row cache and its rollup (kvprof/rollup.py) when those hold the window: two ways
-to the same numbers, held equal by tests/test_live_cache.py.
+The rows come from a `RowSource` (kvprof/rowsource.py): SQL over the store (the report,
+exports, any view of a recorded session), or the live dashboard's row cache and its rollup.
+Both answer the same questions; this module turns the answers into the report (`summarize`)
+and the dashboard's frame (`frame`: the report plus rates, timeline, GPU means and recent
+activity). Reads only.
 """
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 
-from kvprof import rollup, schema
-from kvprof.intervals import busy_between, busy_islands, busy_islands_ordered
-from kvprof.iocache import IoCache
-from kvprof.rollup import Rollup
-from kvprof.store import SessionInfo, phase_windows, session_info
+from kvprof import schema
+from kvprof.intervals import busy_between
+from kvprof.rollup import GRID_NS
+from kvprof.rowsource import IslandsOf, Pieces, RowSource, ViewFilter
+from kvprof.store import SessionInfo
 
 MAIN_OPS = ("read", "write")
+NS = 1_000_000_000
+# A phase must fill this share of a rate bin for that bin to count: bytes over 10 ms of
+# phase time would read as an absurd rate.
+MIN_BIN_SHARE = 0.2
 
 
 def flatten(windows: pa.Table, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -72,39 +78,27 @@ def _op_entry(bytes_: int, ios: int, time_s: float) -> dict:
     }
 
 
-@dataclass(frozen=True)
-class Filters:
-    """Which I/O a view counts: one device, one process (tgid), or all."""
-    device: str | None = None
-    tgid: int | None = None
-
-    def sql(self) -> str:
-        conds = []
-        if self.device is not None:
-            conds.append("dev_name = '" + self.device.replace("'", "''") + "'")
-        if self.tgid is not None:
-            conds.append(f"tgid = {int(self.tgid)}")
-        return " AND ".join(conds)
-
-    def label(self) -> str:
-        parts = [f"dev {self.device}" if self.device else "", f"pid {self.tgid}" if self.tgid
-                 is not None else ""]
-        return ", ".join(p for p in parts if p) or "all I/O"
+def device_layer(block_ios: int, io_uring_ios: int) -> str:
+    """The layer whose numbers describe the device: block, which sees each byte once, unless
+    only io_uring saw I/O (io_uring rows repeat block ones wherever both are traced)."""
+    return "block" if block_ios or not io_uring_ios else "io_uring"
 
 
-def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
-              t1: int | None = None, filters: Filters = Filters(),
-              live: Rollup | None = None, info: SessionInfo | None = None,
+def phase_layer(ph: dict) -> str:
+    """`device_layer` of one phase of the report, by its reads and writes."""
+    return device_layer(*(sum(ph[layer][op]["ios"] for op in MAIN_OPS)
+                          for layer in schema.LAYERS))
+
+
+def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
+              view: ViewFilter = ViewFilter(), info: SessionInfo | None = None,
               windows: pa.Table | None = None) -> dict:
     """The report as a dict; its shape is documented in the README and kept stable.
-
-    With `live` (the live dashboard's row cache and its rollup) holding the window,
-    the I/O rows come from it instead of SQL; the numbers are the same either way. `info`,
-    `windows`: the session row and phase windows when the caller has just read them."""
-    info = info or session_info(con)
+    `info`, `windows`: the session row and phase windows when the caller has just read them."""
+    info = info or rows.info()
     t0 = info.start_ns if t0 is None else t0
     t1 = info.end_ns if t1 is None else t1
-    windows = phase_windows(con) if windows is None else windows
+    windows = rows.windows() if windows is None else windows
     ws, we, wp = flatten(windows, t0, t1)
     durations = (we - ws).astype(np.float64)
     total_s = max(t1 - t0, 0) / 1e9
@@ -121,17 +115,10 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
             "io_uring": {op: _op_entry(0, 0, time_s) for op in MAIN_OPS},
         }
 
-    if live is not None and live.cache.covers(t0):
-        # The whole session also counts rows issued outside its bounds, as the SQL does.
-        whole = t0 == info.start_ns and t1 == info.end_ns
-        units = live.units(ws, we, wp, info.start_ns, filters.device, filters.tgid,
-                            unbounded=whole)
-        stats = rollup.stats(units)
-        islands_of, present = _islands_cached(live.cache, filters, units)
-    else:
-        stats = _stats_sql(con, _bounds(info, t0, t1, filters), ws, wp)
-        islands_of, present = _islands_sql(con, info, t0, t1, filters)
-    for p, layer, op, ios, nbytes, lat, queue, dev, sizes, lats in stats:
+    # The whole session also counts rows issued outside its bounds.
+    whole = t0 == info.start_ns and t1 == info.end_ns
+    got = rows.per_phase(Pieces(ws, we, wp, t0, t1, info.start_ns, whole), view)
+    for p, layer, op, ios, nbytes, lat, queue, dev, sizes, lats in got.stats:
         entry = phases[p][layer].setdefault(op, _op_entry(0, 0, phases[p]["time_s"]))
         entry.update(_op_entry(nbytes or 0, ios, phases[p]["time_s"]))
         for key, vals in (("latency_us", lat), ("queue_us", queue), ("device_us", dev)):
@@ -139,7 +126,8 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
         for key, hist in (("size_hist", sizes), ("latency_hist_us", lats)):
             entry[key] = {str(int(b)): int(n) for b, n in sorted(dict(hist).items())}
 
-    _idle(phases, ws, we, wp, [d["name"] for d in info.devices] or present, islands_of)
+    _idle(phases, ws, we, wp, [d["name"] for d in info.devices] or got.devices,
+          got.islands_of)
     lost = {k: int(v) for k, v in info.lost.items()}
     return {
         "session": {
@@ -161,94 +149,7 @@ def summarize(con: duckdb.DuckDBPyConnection, t0: int | None = None,
     }
 
 
-def _bounds(info: SessionInfo, t0: int, t1: int, filters: Filters) -> str:
-    """WHERE clause picking the window's I/O by issue time, and the filter."""
-    conds = [] if (t0 == info.start_ns and t1 == info.end_ns) else \
-        [f"issue_ns >= {int(t0)} AND issue_ns < {int(t1)}"]
-    if filters.sql():
-        conds.append(f"({filters.sql()})")
-    return ("WHERE " + " AND ".join(conds)) if conds else ""
-
-
-def _stats_sql(con, bounds: str, ws, wp) -> list[tuple]:
-    """Per (phase, layer, op): ios, bytes, quantiles of total/queue/device time, histograms."""
-    # Window lookup table for the ASOF join. The first piece reaches back to the start of
-    # time so an I/O issued between attaching and the session's first timestamp still lands.
-    lookup_start = ws.copy()
-    if len(lookup_start):
-        lookup_start[0] = np.iinfo(np.int64).min
-    con.register("_kv_windows", pa.table({"w_start": lookup_start, "w_phase": wp.astype(str)}))
-    try:
-        con.execute(f"""
-            CREATE OR REPLACE TEMP VIEW _kv_io AS
-            SELECT io.*, w.w_phase AS phase,
-                   complete_ns - CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END
-                       AS total_ns,
-                   CASE WHEN insert_ns > 0 THEN issue_ns - insert_ns ELSE 0 END AS queue_ns,
-                   complete_ns - issue_ns AS device_ns
-            FROM (SELECT * FROM io {bounds}) io
-            ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start""")
-        qs = "[" + ", ".join(str(q) for _, q in schema.QUANTILES) + "]"
-        # One pass over the joined rows: counts, exact quantiles and both log2 histograms.
-        return con.execute(f"""
-            SELECT phase, layer, op, count(*), sum(bytes)::UBIGINT,
-                   quantile_cont(total_ns / 1e3, {qs}), quantile_cont(queue_ns / 1e3, {qs}),
-                   quantile_cont(device_ns / 1e3, {qs}),
-                   histogram(2 ** floor(log2(greatest(bytes, 1)))::UBIGINT),
-                   histogram(2 ** floor(log2(greatest(total_ns / 1e3, 1)))::UBIGINT)
-            FROM _kv_io GROUP BY ALL""").fetchall()
-    finally:
-        con.unregister("_kv_windows")
-
-
-def _islands_sql(con, info: SessionInfo, t0: int, t1: int, filters: Filters):
-    """Busy islands from the block requests in flight at any time in [t0, t1), also those
-    issued before t0, and the devices the window's block requests went to."""
-    conds = ["layer = 'block'", "complete_ns > " + str(int(t0)),
-             f"CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END < {int(t1)}"]
-    if filters.sql():
-        conds.append(f"({filters.sql()})")
-    tbl = con.sql(f"""
-        SELECT dev_name, CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END AS s,
-               complete_ns AS e, issue_ns >= {int(t0)} AND issue_ns < {int(t1)} AS inside
-        FROM io WHERE {" AND ".join(conds)}""").to_arrow_table()
-    # Device names as dictionary codes: comparing small ints, not a million Python strings.
-    enc = tbl["dev_name"].combine_chunks().dictionary_encode()
-    codes = enc.indices.to_numpy(zero_copy_only=False)
-    names = enc.dictionary.to_pylist()
-    s, e = tbl["s"].to_numpy(), tbl["e"].to_numpy()
-    inside = tbl["inside"].to_numpy(zero_copy_only=False)
-    whole = t0 == info.start_ns and t1 == info.end_ns
-    present = sorted({names[c] for c in np.unique(codes[inside | whole])})
-
-    def islands_of(device: str | None):
-        if device is None:
-            return busy_islands(s, e)
-        mine = codes == (names.index(device) if device in names else -1)
-        return busy_islands(s[mine], e[mine])
-    return islands_of, present
-
-
-def _islands_cached(cache: IoCache, filters: Filters, units: list):
-    """The same from the cache: its maintained islands, or for a process filter the
-    process's block rows (the cache holds every row that can reach into the window)."""
-    present = rollup.devices(units, cache)
-    if filters.tgid is None:
-        def islands_of(device: str | None):
-            if device is None or filters.device is None or device == filters.device:
-                return cache.islands(device if device is not None else filters.device)
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        return islands_of, present
-    rows = cache.slice(0, len(cache), filters.device, filters.tgid)
-    block = rows.layer == rollup.BLOCK
-
-    def islands_of(device: str | None):
-        mine = block if device is None else block & (rows.dev == cache.device_code(device))
-        return busy_islands_ordered(rows.start[mine], rows.complete[mine])
-    return islands_of, present
-
-
-def _idle(phases: dict, ws, we, wp, devices: list[str], islands_of) -> None:
+def _idle(phases: dict, ws, we, wp, devices: list[str], islands_of: IslandsOf) -> None:
     """Per phase, the share of its time with no block request in flight: per device and on
     all traced devices together. In flight = from insert (or issue, when the request skipped
     the queue) to completion, the span the kernel's io_ticks also covers."""
@@ -267,3 +168,119 @@ def _idle(phases: dict, ws, we, wp, devices: list[str], islands_of) -> None:
     for p in schema.PHASES:
         phases[p]["block"]["time_idle_pct"] = overall[p]
         phases[p]["block"]["devices"] = {d: {"time_idle_pct": per_dev[d][p]} for d in devices}
+
+
+# -- the dashboard's frame: the report of a window, and the same rows over time ----------------
+
+@dataclass(frozen=True)
+class Frame:
+    """Everything a dashboard frame shows for the window [t0, t1), as computed here."""
+    info: SessionInfo
+    t0: int
+    t1: int
+    summary: dict  # the report of exactly [t0, t1) and the view
+    # phase -> {"layer": the device layer, "read"/"write": (now, mean, peak) bytes/s}
+    rates: dict[str, dict]
+    bin_ns: int
+    # (bin start, the phase covering most of it or None outside the session, bytes)
+    timeline: list[tuple[int, str | None, int]]
+    gpu: dict | None  # GPU means over the window, None with `gpu_note` saying why
+    gpu_note: str
+    recent: int  # I/O issued in the last second of the window
+    devices: list[str]  # the traced devices and every device of the window
+    processes: tuple[tuple[int, str], ...]  # the window's busiest processes
+    windows: int  # phase windows reaching into the view
+
+
+def window_bounds(start_ns: int, now_ns: int, window_s: float | None) -> tuple[int, int]:
+    """[t0, t1) of a window of window_s ending now (None: the whole session so far)."""
+    t1 = max(now_ns, start_ns)
+    t0 = start_ns if window_s is None else max(start_ns, t1 - int(window_s * NS))
+    return t0, t1
+
+
+def frame(rows: RowSource, window_s: float | None, now_ns: int,
+          view: ViewFilter = ViewFilter(), timeline_s: float = 60.0,
+          timeline_bins: int = 60) -> Frame:
+    """The window of `window_s` ending at `now_ns` (session clock). The timeline spans the
+    last `timeline_s` (early on partly before the session), or the whole session when that
+    is the window."""
+    info = rows.info()
+    origin = info.start_ns
+    t0, t1 = window_bounds(origin, now_ns, window_s)
+    span_t0 = min(t0, t1 - int(timeline_s * NS)) if window_s is not None else t0
+    bin_ns = max(1, math.ceil((t1 - span_t0) / timeline_bins))
+    edges = span_t0 + np.arange(timeline_bins + 1, dtype=np.int64) * bin_ns
+    lo, hi = max(span_t0, origin), max(t1, origin + 1)
+    # Phase pieces over the whole span any grid below touches: the windows are read once.
+    windows = rows.windows(lo, hi)
+    summary = summarize(rows, t0, t1, view, info, windows)
+    ws, we, wp = flatten(windows, lo, hi)
+
+    # Per-second rates inside the window by phase: grid seconds, the outer two cut at t0, t1.
+    c0 = (t0 - origin) // GRID_NS
+    ncells = max(1, (max(t1 - 1, t0) - origin) // GRID_NS - c0 + 1)
+    rate_edges = origin + (c0 + np.arange(ncells + 1, dtype=np.int64)) * GRID_NS
+    rate_edges[0], rate_edges[-1] = t0, max(t1, t0)
+    got = rows.over_time(Pieces(ws, we, wp, t0, t1, origin), view, c0, ncells, edges)
+    ptime = _phase_time(ws, we, wp, rate_edges)
+    rates = {p: _rates(p, summary["phases"][p], got.cell_bytes, ptime[p])
+             for p in schema.PHASES}
+
+    seen = dict(zip(schema.LAYERS, got.layers_seen.tolist()))
+    layer = device_layer(seen["block"], seen["io_uring"])
+    total = got.bin_bytes[schema.LAYERS.index(layer)]
+    tl_time = _phase_time(ws, we, wp, edges)
+    stacked = np.vstack([tl_time[p] for p in schema.PHASES])
+    timeline = []
+    for i in range(timeline_bins):
+        covered = edges[i + 1] > origin and edges[i] < t1 and stacked[:, i].sum() > 0
+        phase = schema.PHASES[int(stacked[:, i].argmax())] if covered else None
+        timeline.append((int(edges[i]), phase, int(total[i])))
+
+    gpu, gpu_note = gpu_means(rows, t0, t1)
+    devices = list(dict.fromkeys([d["name"] for d in info.devices] + got.devices))
+    return Frame(info, t0, t1, summary, rates, bin_ns, timeline, gpu, gpu_note, got.recent,
+                 devices, got.processes, len(windows))
+
+
+def _phase_time(ws, we, wp, edges: np.ndarray) -> dict[str, np.ndarray]:
+    """Phase -> ns of that phase inside each bin; one phase's pieces are disjoint islands."""
+    return {p: busy_between(ws[wp == p], we[wp == p], edges[:-1], edges[1:])
+            for p in schema.PHASES}
+
+
+def _rates(p: str, ph: dict, cell_bytes: dict, ptime: np.ndarray) -> dict:
+    """Bytes/s of the phase's device layer: in its latest second, over the window (the
+    report's bandwidth), and its best second."""
+    layer = phase_layer(ph)
+    # A phase shorter than the bar (a 25 ms prefill) still gets a rate from its longest bins.
+    ok = (ptime > 0) & (ptime >= min(MIN_BIN_SHARE * GRID_NS, 0.5 * ptime.max()))
+    out: dict = {"layer": layer}
+    for op in MAIN_OPS:
+        mean = ph[layer][op]["bandwidth_bytes_per_s"]
+        nbytes = cell_bytes.get((p, layer, op))
+        if nbytes is None or not ok.any():
+            out[op] = (0.0, mean, mean)
+            continue
+        r = np.where(ok, nbytes / np.maximum(ptime, 1) * NS, 0.0)
+        last = int(np.flatnonzero(ok)[-1])
+        out[op] = (float(r[last]), mean, max(float(r.max()), mean))
+    return out
+
+
+GPU_FIELDS = ("util_pct", "mem_util_pct", "sm_active_pct", "power_w", "pcie_rx_bytes_per_s",
+              "pcie_tx_bytes_per_s")
+
+
+def gpu_means(rows: RowSource, t0: int, t1: int) -> tuple[dict | None, str]:
+    """Means of the GPU samples in [t0, t1) (a field a GPU does not support is left out, not
+    counted as zero), or None and why there are none."""
+    row = rows.gpu(t0, t1)
+    if row is None:
+        return None, "no GPU data: this session was recorded before NVML support"
+    if not row[1]:
+        return None, ("no GPU samples in this window" if row[-1] else
+                      "no GPU data: no NVML samples (no GPU, or not recorded with --phases nvml)")
+    return {"gpus": int(row[0]), "samples": int(row[1]),
+            **dict(zip(GPU_FIELDS, row[2:-1]))}, ""

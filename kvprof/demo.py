@@ -135,12 +135,13 @@ def _show_sample(as_json: bool, why: str, tui: bool = False) -> int:
 
 def _print_report(session: Path, name: str, as_json: bool) -> None:
     from kvprof.correlate import summarize
+    from kvprof.rowsource import SqlRows
     from kvprof.report import to_json, to_text
     from kvprof.store import open_session
 
     con = open_session(session)
     try:
-        summary = summarize(con)
+        summary = summarize(SqlRows(con))
     finally:
         con.close()
     sys.stdout.write(to_json(summary) + "\n" if as_json else to_text(summary, name))
@@ -404,7 +405,7 @@ def _workload_under_dashboard(rec: BackgroundRecorder, store: _KVStore, marker: 
     the main thread). Quitting early still lets the current round finish: the workload
     only stops at its deadline, and the recorder must outlive it."""
     from kvprof.snapshot import Clock
-    from kvprof.store import session_info
+    from kvprof.store import Reader, session_info
     from kvprof.ui.app import KvprofTop
 
     errors: list[BaseException] = []
@@ -420,7 +421,7 @@ def _workload_under_dashboard(rec: BackgroundRecorder, store: _KVStore, marker: 
     info = session_info(cur)
     cur.close()
     worker.start()
-    KvprofTop(rec.store.con, Clock(info.start_ns, None, playing=True), name="demo",
+    KvprofTop(Reader(rec.store.con), Clock(info.start_ns, None, playing=True), name="demo",
               window_s=10.0).run()
     worker.join()
     if errors:

@@ -7,7 +7,8 @@ import duckdb
 import pyarrow.parquet as pq
 
 from kvprof import schema
-from kvprof.errors import EX_USAGE, KvprofError
+from kvprof.errors import EX_DATAERR, EX_USAGE, KvprofError
+from kvprof.store import Reader
 
 
 def export_parquet(con: duckdb.DuckDBPyConnection, out_dir: str | Path) -> list[Path]:
@@ -33,3 +34,16 @@ def export_parquet(con: duckdb.DuckDBPyConnection, out_dir: str | Path) -> list[
                         "(FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 1048576)")
         written.append(path)
     return written
+
+
+def export_session(session: Reader, out_dir: str | Path) -> list[Path]:
+    """`export_parquet` on a cursor of its own, for a view exporting from a worker thread;
+    a DuckDB failure becomes a one-line KvprofError."""
+    cur = session.cursor()
+    try:
+        return export_parquet(cur, out_dir)
+    except duckdb.Error as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise KvprofError(f"export to {out_dir} failed: {first}", EX_DATAERR) from None
+    finally:
+        cur.close()

@@ -8,7 +8,8 @@ latency-bound (more bandwidth would not help, lower latency would).
 from __future__ import annotations
 
 from kvprof import schema
-from kvprof.report import human_bytes, human_us, size_label
+from kvprof.correlate import MAIN_OPS, phase_layer
+from kvprof.units import human_bytes, human_us, size_label
 
 # Requests at least this large count as bulk transfers, below SMALL_BYTES as point lookups.
 LARGE_BYTES = 128 << 10
@@ -18,16 +19,13 @@ BUSY_PCT = 50.0
 
 
 def _main_op(ph: dict) -> tuple[str, str, dict] | None:
-    """(layer, op, entry) carrying most bytes in this phase; block first, it sees the device."""
-    best = None
-    for layer in schema.LAYERS:
-        for op in ("read", "write"):
-            e = ph[layer].get(op)
-            if e and e["ios"] and (best is None or e["bytes"] > best[2]["bytes"]):
-                best = (layer, op, e)
-        if best is not None:
-            return best
-    return None
+    """(layer, op, entry) carrying most bytes in the phase's device layer (ties: read)."""
+    layer = phase_layer(ph)
+    ops = [(op, ph[layer][op]) for op in MAIN_OPS if ph[layer][op]["ios"]]
+    if not ops:
+        return None
+    op, e = max(ops, key=lambda kv: kv[1]["bytes"])
+    return layer, op, e
 
 
 def phase_finding(phase: str, ph: dict) -> str | None:

@@ -1,14 +1,14 @@
 """The session's recent I/O rows as numpy columns sorted by issue time, kept current by
 reading only the rows stored since the last refresh.
 
-The live dashboard rebuilds its numbers twice a second. Re-running the SQL of
-`correlate.summarize` means re-joining and re-sorting every row of the window each time (about
+The live dashboard rebuilds its numbers twice a second. Re-running the store's SQL
+(`rowsource.SqlRows`) means re-joining and re-sorting every row of the window each time (about
 0.5 s for the million rows of a 10 s window at 100 k events/s). Here the rows arrive once; a
 time span is then a slice found by binary search (rows are in issue order, and an I/O belongs
 to the phase window holding its issue time), busy islands are extended as rows arrive with no
 sort, and running byte sums give any span's bytes by two lookups. kvprof/rollup.py keeps the
-per-second aggregates built from these rows; `correlate` computes the numbers from them when
-the cache holds the window and with SQL otherwise, and the tests hold both equal.
+per-second aggregates built from these rows; `rowsource.LiveRows` answers correlate from them
+when the cache holds the window and with SQL otherwise, and the tests hold both equal.
 """
 from __future__ import annotations
 
@@ -270,7 +270,7 @@ class IoCache:
     def _update_islands(self, new: dict[str, np.ndarray]) -> None:
         """Islands change only from the earliest start among the new rows on: keep those
         ending before it, rebuild the rest from the rows issued since (see
-        correlate.busy_islands_ordered for why issue order suffices)."""
+        intervals.busy_islands_ordered for why issue order suffices)."""
         block = new["layer"] == schema.LAYERS.index(schema.LAYER_BLOCK)
         if not block.any():
             return

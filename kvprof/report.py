@@ -6,33 +6,10 @@ import textwrap
 from datetime import datetime, timezone
 
 from kvprof import schema
+from kvprof.findings import findings
+from kvprof.units import human_bytes, human_us, size_label
 
 WIDTH = 80
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def human_us(v: float | None) -> str:
-    if v is None:
-        return "-"
-    if v >= 10_000:
-        return f"{v / 1000:.0f}ms"
-    if v >= 1000:
-        return f"{v / 1000:.1f}ms"
-    return f"{v:.0f}us"
-
-
-def size_label(b: int) -> str:
-    for unit, div in (("M", 1 << 20), ("K", 1 << 10)):
-        if b >= div:
-            return f"{b // div}{unit}"
-    return f"{b}B"
 
 
 def to_json(summary: dict) -> str:
@@ -94,9 +71,6 @@ def to_text(summary: dict, name: str = "") -> str:
     if s["lost_events"]:
         lines += ["", "lost: " + ", ".join(f"{k} {v}" for k, v in s["lost_by_reason"].items()
                                             if v)]
-    # Imported here: findings builds on this module's formatting helpers.
-    from kvprof.findings import findings
-
     verdicts = findings(summary)
     if verdicts:
         lines += ["", "findings:"]

@@ -1,40 +1,29 @@
 """What the dashboard shows at one moment, as frozen data built off the UI thread.
 
-`build_snapshot` reads the store (through the caller's own DuckDB cursor) and returns a
-`Snapshot`: the summary of `correlate.summarize` for the chosen window, a per-bin timeline,
-per-phase rates, GPU means and the findings. Widgets only render the newest snapshot, so
-they never query DuckDB and never see a half-built state. `SnapshotFeed` is the one
-background thread that rebuilds it on an interval, from its row cache and rollup when they
-hold the span shown (see kvprof/rollup.py), else with SQL. Nothing here imports textual.
+`build_snapshot` asks correlate for the frame of the chosen window (kvprof/correlate.py
+computes every number: the report of the window, rates, timeline, GPU means, recent
+activity) and assembles it into a `Snapshot`. Widgets only render the newest snapshot, so
+they never see a half-built state. `SnapshotFeed` is the one background thread that rebuilds
+it on an interval, from its own row source (the row cache in front of SQL: see
+kvprof/rowsource.py). Nothing here imports textual or duckdb.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import duckdb
-import numpy as np
-import pyarrow as pa
-
-from kvprof import rollup, schema
-from kvprof.correlate import Filters, flatten, summarize
+from kvprof import correlate, schema
 from kvprof.findings import findings
-from kvprof.intervals import busy_between
-from kvprof.iocache import IoCache
-from kvprof.rollup import GRID_NS, Rollup
-from kvprof.store import phase_windows, session_info
+from kvprof.rowsource import Interrupted, RowSource, ViewFilter, for_feed
+from kvprof.store import Reader
 
 NS = 1_000_000_000
 WINDOWS_S: tuple[float | None, ...] = (10.0, 60.0, None)  # None: the whole session
 TIMELINE_S = 60.0
 TIMELINE_BINS = 60
-# A phase must fill this share of a rate bin for that bin to count: bytes over 10 ms of
-# phase time would read as an absurd rate.
-MIN_BIN_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -92,7 +81,7 @@ class Snapshot:
     t0_ns: int
     t1_ns: int
     window_s: float | None
-    filters: Filters
+    filters: ViewFilter
     events_per_s: float
     lost_events: int
     phases: tuple[PhaseStats, ...]
@@ -116,71 +105,6 @@ class Snapshot:
         return next(p for p in self.phases if p.phase == name)
 
 
-def window_bounds(start_ns: int, now_ns: int, window_s: float | None) -> tuple[int, int]:
-    t1 = max(now_ns, start_ns)
-    t0 = start_ns if window_s is None else max(start_ns, t1 - int(window_s * NS))
-    return t0, t1
-
-
-def _binned(cur, lookup: pa.Table, t0: int, t1: int, origin: int, c0: int, ncells: int,
-            io_filter: str) -> dict[tuple[str, str, str], np.ndarray]:
-    """(phase, layer, op) -> bytes per grid second from the one holding t0, I/O by issue
-    time in [t0, t1)."""
-    out: dict[tuple[str, str, str], np.ndarray] = {}
-    if len(lookup) == 0:
-        return out
-    cond = f"issue_ns >= {t0} AND issue_ns < {t1}" + (f" AND ({io_filter})" if io_filter else "")
-    cur.register("_kv_snap_windows", lookup)
-    try:
-        rows = cur.execute(f"""
-            SELECT w.w_phase, io.layer, io.op, (io.issue_ns - {origin}) // {GRID_NS} - {c0},
-                   sum(io.bytes)::UBIGINT
-            FROM (SELECT layer, op, issue_ns, bytes FROM io WHERE {cond}) io
-            ASOF JOIN _kv_snap_windows w ON io.issue_ns >= w.w_start
-            GROUP BY ALL""").fetchall()
-    finally:
-        cur.unregister("_kv_snap_windows")
-    for phase, layer, op, b, nbytes in rows:
-        arr = out.setdefault((phase, layer, op), np.zeros(ncells, np.int64))
-        if 0 <= b < ncells:
-            arr[int(b)] += int(nbytes or 0)
-    return out
-
-
-def _timeline_bytes(cur, t0: int, t1: int, bin_ns: int, io_filter: str) -> np.ndarray:
-    """Bytes per timeline bin. The device sees each byte once and io_uring rows repeat block
-    ones, so block rows count, or io_uring rows when there are no block rows."""
-    cond = f"issue_ns >= {t0} AND issue_ns < {t1}" + (f" AND ({io_filter})" if io_filter else "")
-    rows = cur.execute(f"""
-        SELECT layer, (issue_ns - {t0}) // {bin_ns} AS b, sum(bytes)::UBIGINT
-        FROM io WHERE {cond} GROUP BY ALL""").fetchall()
-    use = "block" if any(layer == "block" for layer, _, _ in rows) else "io_uring"
-    total = np.zeros(TIMELINE_BINS, np.int64)
-    for layer, b, nbytes in rows:
-        if layer == use and 0 <= b < TIMELINE_BINS:
-            total[int(b)] += int(nbytes or 0)
-    return total
-
-
-def _timeline_bytes_cached(cache: IoCache, units: list, edges: np.ndarray, t1: int,
-                           filters: Filters) -> np.ndarray:
-    """The same from the cache: by its running byte sums, or, filtered, from the rows."""
-    seen = rollup.layers_seen(units)
-    use = rollup.BLOCK if seen[rollup.BLOCK] else rollup.IO_URING
-    cut = np.minimum(edges, t1)
-    if filters == Filters():
-        return cache.layer_bytes(cut)[use]
-    r = cache.rows(int(cut[0]), t1, filters.device, filters.tgid)
-    cum = np.concatenate([[0], np.cumsum(np.where(r.layer == use, r.bytes, 0))])
-    return np.diff(cum[np.searchsorted(r.issue, cut, side="left")])
-
-
-def _phase_time(ws, we, wp, edges: np.ndarray) -> dict[str, np.ndarray]:
-    """Phase -> ns of that phase inside each bin; one phase's pieces are disjoint islands."""
-    return {p: busy_between(ws[wp == p], we[wp == p], edges[:-1], edges[1:])
-            for p in schema.PHASES}
-
-
 def _hist(d: dict) -> tuple[tuple[int, int], ...]:
     return tuple(sorted((int(k), int(v)) for k, v in d.items()))
 
@@ -193,28 +117,14 @@ def _merge_hists(*hs: dict) -> dict:
     return out
 
 
-def _phase_stats(p: str, ph: dict, per_bin: dict, ptime: np.ndarray) -> PhaseStats:
-    layer = "block" if any(ph["block"][op]["ios"] for op in ("read", "write")) or not any(
-        ph["io_uring"][op]["ios"] for op in ("read", "write")) else "io_uring"
+def _phase_stats(p: str, ph: dict, rates: dict) -> PhaseStats:
+    layer = rates["layer"]
     rd, wr = ph[layer]["read"], ph[layer]["write"]
-
-    def rate(op: str, mean: float) -> Rate:
-        nbytes = per_bin.get((p, layer, op))
-        # A phase shorter than the bar (a 25 ms prefill) still gets a rate from its longest bins.
-        ok = (ptime > 0) & (ptime >= min(MIN_BIN_SHARE * GRID_NS, 0.5 * ptime.max()))
-        if nbytes is None or not ok.any():
-            return Rate(0.0, mean, mean)
-        r = np.where(ok, nbytes / np.maximum(ptime, 1) * NS, 0.0)
-        last = int(np.flatnonzero(ok)[-1])
-        return Rate(float(r[last]), mean, max(float(r.max()), mean))
-
     # Latency quantiles of the busier op: one number pair per panel, the one that matters.
     main = rd if rd["ios"] >= wr["ios"] else wr
     return PhaseStats(
         phase=p, layer=layer, time_s=ph["time_s"], time_share_pct=ph["time_share_pct"],
-        ios=rd["ios"] + wr["ios"],
-        read=rate("read", rd["bandwidth_bytes_per_s"]),
-        write=rate("write", wr["bandwidth_bytes_per_s"]),
+        ios=rd["ios"] + wr["ios"], read=Rate(*rates["read"]), write=Rate(*rates["write"]),
         iops=rd["iops"] + wr["iops"],
         p50_us=main["latency_us"]["p50"], p99_us=main["latency_us"]["p99"],
         latency_hist_us=_hist(_merge_hists(rd["latency_hist_us"], wr["latency_hist_us"])),
@@ -222,115 +132,29 @@ def _phase_stats(p: str, ph: dict, per_bin: dict, ptime: np.ndarray) -> PhaseSta
         idle_pct=ph["block"]["time_idle_pct"] if layer == "block" else None)
 
 
-def _gpu(cur, t0: int, t1: int) -> tuple[GpuStats | None, str]:
-    w = f"(WHERE ts_ns >= {t0} AND ts_ns < {t1})"  # this window's samples
-    try:
-        row = cur.execute(f"""
-            SELECT count(DISTINCT gpu) FILTER {w}, count(*) FILTER {w},
-                   avg(gpu_util_pct) FILTER {w}, avg(mem_util_pct) FILTER {w},
-                   avg(sm_active_pct) FILTER {w}, avg(power_w) FILTER {w},
-                   avg(pcie_rx_bytes_per_s) FILTER {w}, avg(pcie_tx_bytes_per_s) FILTER {w},
-                   count(*)
-            FROM gpu""").fetchall()[0]
-    except duckdb.CatalogException:
-        return None, "no GPU data: this session was recorded before NVML support"
-    if not row[1]:
-        return None, ("no GPU samples in this window" if row[-1] else
-                      "no GPU data: no NVML samples (no GPU, or not recorded with --phases nvml)")
-    return GpuStats(int(row[0]), int(row[1]), *row[2:-1]), ""
-
-
-def _recent_sql(cur, t0: int, t1: int, io_filter: str):
-    """I/O in the last second, the window's devices (a live session grows without end) and
-    its ten busiest processes."""
-    cond = f"issue_ns >= {t1 - NS} AND issue_ns < {t1}" + (f" AND ({io_filter})"
-                                                          if io_filter else "")
-    recent = cur.execute(f"SELECT count(*) FROM io WHERE {cond}").fetchall()[0][0]
-    devices = [r[0] for r in cur.execute(
-        f"SELECT DISTINCT dev_name FROM io WHERE issue_ns >= {t0} AND issue_ns < {t1} "
-        "AND dev_name <> '' ORDER BY 1").fetchall()]
-    procs = tuple((int(t), str(c)) for t, c, _ in cur.execute(f"""
-        SELECT tgid, any_value(comm), count(*) FROM io
-        WHERE issue_ns >= {t0} AND issue_ns < {t1} GROUP BY tgid ORDER BY 3 DESC, 1
-        LIMIT 10""").fetchall())
-    return recent, devices, procs
-
-
-def build_snapshot(con: duckdb.DuckDBPyConnection, window_s: float | None, now_ns: int,
-                   filters: Filters = Filters(), live: Rollup | None = None) -> Snapshot:
-    """The dashboard's data for the window ending at `now_ns` (session clock). With `live`
-    (a row cache the caller refreshed, and its rollup) holding the span shown, the I/O rows
-    come from it; otherwise from SQL. The numbers are the same."""
+def build_snapshot(rows: RowSource, window_s: float | None, now_ns: int,
+                   filters: ViewFilter = ViewFilter()) -> Snapshot:
+    """The dashboard's data for the window ending at `now_ns` (session clock)."""
     started = time.perf_counter()
-    info = session_info(con)
-    origin = info.start_ns
-    t0, t1 = window_bounds(origin, now_ns, window_s)
-    io_filter = filters.sql()
-    # Phase pieces over the whole span any grid below touches, for the bins and the joins.
-    span_t0 = min(t0, t1 - int(TIMELINE_S * NS)) if window_s is not None else t0
-    # Timeline: the last minute (early on partly before the session), or the whole session
-    # when that is the window.
-    bin_ns = max(1, math.ceil((t1 - span_t0) / TIMELINE_BINS))
-    edges = span_t0 + np.arange(TIMELINE_BINS + 1, dtype=np.int64) * bin_ns
-    lo = max(span_t0, origin)
-    if live is not None and not live.cache.covers(lo):
-        live = None  # the span reaches back past what the cache holds
-    windows = phase_windows(con, lo, max(t1, origin + 1))
-    summary = summarize(con, t0, t1, filters, live, info, windows)
-
-    ws, we, wp = flatten(windows, lo, max(t1, origin + 1))
-    # Per-second rates inside the window by phase: grid seconds, the outer two cut at t0, t1.
-    c0 = (t0 - origin) // GRID_NS
-    ncells = max(1, (max(t1 - 1, t0) - origin) // GRID_NS - c0 + 1)
-    rate_edges = origin + (c0 + np.arange(ncells + 1, dtype=np.int64)) * GRID_NS
-    rate_edges[0], rate_edges[-1] = t0, max(t1, t0)
-    if live is None:
-        lookup_start = ws.copy()
-        if len(lookup_start):
-            lookup_start[0] = np.iinfo(np.int64).min
-        lookup = pa.table({"w_start": lookup_start, "w_phase": wp.astype(str)})
-        per_bin = _binned(con, lookup, t0, t1, origin, c0, ncells, io_filter)
-        total = _timeline_bytes(con, span_t0, t1, bin_ns, io_filter)
-        recent, window_devices, procs = _recent_sql(con, t0, t1, io_filter)
-    else:
-        units = live.units(ws, we, wp, origin, filters.device, filters.tgid, cuts=(t0,))
-        per_bin = rollup.bytes_by_cell([u for u in units if u.start >= t0], c0, ncells)
-        total = _timeline_bytes_cached(live.cache, units, edges, t1, filters)
-        recent = len(live.cache.rows(t1 - NS, t1, filters.device, filters.tgid))
-        # The device and process choices list every I/O of the window, not the filtered.
-        plain = units if filters == Filters() else live.units(ws, we, wp, origin, cuts=(t0,))
-        plain = [u for u in plain if u.start >= t0]
-        window_devices = rollup.devices(plain, live.cache)
-        procs = rollup.busiest(plain, live.cache)
-    ptime = _phase_time(ws, we, wp, rate_edges)
-    phases = tuple(_phase_stats(p, summary["phases"][p], per_bin, ptime[p])
-                   for p in schema.PHASES)
-
-    tl_time = _phase_time(ws, we, wp, edges)
-    stacked = np.vstack([tl_time[p] for p in schema.PHASES])
-    timeline = []
-    for i in range(TIMELINE_BINS):
-        covered = edges[i + 1] > origin and edges[i] < t1 and stacked[:, i].sum() > 0
-        phase = schema.PHASES[int(stacked[:, i].argmax())] if covered else None
-        timeline.append(Bin(int(edges[i]), phase, int(total[i])))
-    devices = tuple(dict.fromkeys([d["name"] for d in info.devices] + window_devices))
-    gpu, gpu_note = _gpu(con, t0, t1)
-
+    f = correlate.frame(rows, window_s, now_ns, filters, TIMELINE_S, TIMELINE_BINS)
+    phases = tuple(_phase_stats(p, f.summary["phases"][p], f.rates[p]) for p in schema.PHASES)
     notes = []
-    if not len(windows):
+    if not f.windows:
         notes.append("no phase windows in view: all time counts as idle (send `kvprof mark` "
                      "or use --phases)")
     if not any(p.ios for p in phases):
         notes.append(f"no I/O in this window ({filters.label()})")
-    s = summary["session"]
+    s = f.summary["session"]
     return Snapshot(
         host=s["host"], devices=tuple(s["devices"]), sources=tuple(s["phase_sources"]),
-        status=s["status"], start_ns=info.start_ns, now_ns=t1, t0_ns=t0, t1_ns=t1,
-        window_s=window_s, filters=filters, events_per_s=float(recent),
-        lost_events=s["lost_events"], phases=phases, timeline=tuple(timeline), bin_ns=bin_ns,
-        gpu=gpu, gpu_note=gpu_note, findings=tuple(findings(summary).values()),
-        notes=tuple(notes), device_choices=devices, process_choices=procs,
-        build_s=time.perf_counter() - started, summary=summary)
+        status=s["status"], start_ns=f.info.start_ns, now_ns=f.t1, t0_ns=f.t0, t1_ns=f.t1,
+        window_s=window_s, filters=filters, events_per_s=float(f.recent),
+        lost_events=s["lost_events"], phases=phases,
+        timeline=tuple(Bin(*b) for b in f.timeline), bin_ns=f.bin_ns,
+        gpu=GpuStats(**f.gpu) if f.gpu else None, gpu_note=f.gpu_note,
+        findings=tuple(findings(f.summary).values()), notes=tuple(notes),
+        device_choices=tuple(f.devices), process_choices=f.processes,
+        build_s=time.perf_counter() - started, summary=f.summary)
 
 
 class Clock:
@@ -390,27 +214,22 @@ class Clock:
 @dataclass(frozen=True)
 class ViewRequest:
     window_s: float | None = 60.0
-    filters: Filters = Filters()
-
-
-def feed_cache() -> Rollup:
-    """The feed's row cache: as many rows as its bound allows (at 100k events/s, 70 s: the
-    60 s window and a margin); a view reaching further back is computed with SQL."""
-    return Rollup(IoCache())
+    filters: ViewFilter = ViewFilter()
 
 
 class SnapshotFeed:
-    """One thread: build a snapshot from its own cursor, hand it over, wait, repeat. Builds
-    never overlap, so a slow one only delays (skips) frames; `wake()` asks for one now."""
+    """One thread: build a snapshot from its own row source, hand it over, wait, repeat.
+    Builds never overlap, so a slow one only delays (skips) frames; `wake()` asks for one
+    now."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, clock: Clock,
+    def __init__(self, session: Reader, clock: Clock,
                  deliver: Callable[[Snapshot], None], on_error: Callable[[str], None],
                  interval_s: float = 0.5, request: ViewRequest = ViewRequest()):
-        self._con, self.clock, self.interval_s = con, clock, interval_s
+        self._session, self.clock, self.interval_s = session, clock, interval_s
         self._deliver, self._on_error = deliver, on_error
         self.request = request  # replaced whole by the UI thread: a plain attribute swap
         self._building: ViewRequest | None = None  # the view being built, if any
-        self._cur: duckdb.DuckDBPyConnection | None = None
+        self._rows: RowSource | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvprof-snapshot", daemon=True)
@@ -426,8 +245,8 @@ class SnapshotFeed:
         session's whole-session view) is interrupted rather than waited for."""
         self.request = request
         building = self._building
-        if building is not None and building != request and self._cur is not None:
-            self._cur.interrupt()
+        if building is not None and building != request and self._rows is not None:
+            self._rows.interrupt()
         self._wake.set()
 
     def stop(self) -> None:
@@ -436,11 +255,7 @@ class SnapshotFeed:
         self._thread.join(30)
 
     def _run(self) -> None:
-        cur = self._cur = self._con.cursor()  # this thread's own connection to the session
-        live: Rollup | None = feed_cache()
-        if not self.clock.live and cur.execute("SELECT count(*) FROM io").fetchall()[0][0] \
-                > live.cache.max_rows:
-            live = None  # a replay too large to hold: every view from SQL, none read twice
+        rows = self._rows = for_feed(self._session, live=self.clock.live)
         last = None
         try:
             while not self._stop.is_set():
@@ -455,12 +270,11 @@ class SnapshotFeed:
                 try:
                     began = time.perf_counter()
                     self._building = req
-                    if live is not None:
-                        live.cache.refresh(cur)
-                    snap = build_snapshot(cur, req.window_s, now, req.filters, live)
+                    rows.refresh()
+                    snap = build_snapshot(rows, req.window_s, now, req.filters)
                     # The frame's cost: reading the new rows and building.
                     snap = dataclasses.replace(snap, build_s=time.perf_counter() - began)
-                except duckdb.InterruptException:
+                except Interrupted:
                     last = None  # another view was asked for: build that one now
                     continue
                 except Exception as e:  # noqa: BLE001 - shown on screen, never a crash
@@ -472,4 +286,4 @@ class SnapshotFeed:
                     self._building = None
                 self._wake.wait(self.interval_s)
         finally:
-            cur.close()
+            rows.close()

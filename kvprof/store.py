@@ -77,6 +77,17 @@ class Store:
         self.con.close()
 
 
+class Reader:
+    """A session open for reading, as views get it: they never hold DuckDB themselves, and
+    each thread that reads (the dashboard's feed, an export worker) takes its own cursor."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection):
+        self._con = con
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        return self._con.cursor()
+
+
 @dataclass(frozen=True)
 class SessionInfo:
     session_id: str

@@ -12,7 +12,7 @@ from pathlib import Path
 from kvprof import system
 from kvprof.record import BackgroundRecorder, RecordOptions
 from kvprof.snapshot import Clock
-from kvprof.store import open_replay, session_info
+from kvprof.store import Reader, open_replay, session_info
 
 
 
@@ -25,7 +25,7 @@ def run_replay(source: str, interval_s: float = 0.5, window_s: float | None = No
     try:
         info = session_info(con)
         clock = Clock(info.start_ns, info.end_ns, playing=False)
-        app = KvprofTop(con, clock, name=Path(source).name, interval_s=interval_s,
+        app = KvprofTop(Reader(con), clock, name=Path(source).name, interval_s=interval_s,
                         window_s=window_s)
         app.run()
         return app.return_code or 0
@@ -45,7 +45,7 @@ def run_live(opts: RecordOptions, interval_s: float = 0.5, window_s: float | Non
         info = session_info(cur)
         cur.close()
         clock = Clock(info.start_ns, None, playing=True)
-        app = KvprofTop(rec.store.con, clock, name="live", interval_s=interval_s,
+        app = KvprofTop(Reader(rec.store.con), clock, name="live", interval_s=interval_s,
                         window_s=window_s, export_dir=Path(rec.store.directory) / "parquet")
         app.run()
         rc = app.return_code or 0

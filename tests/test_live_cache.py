@@ -11,12 +11,13 @@ import pyarrow as pa
 import pytest
 
 from kvprof import schema
-from kvprof.correlate import Filters, summarize
+from kvprof.correlate import summarize
 from kvprof.intervals import busy_islands, busy_islands_ordered
 from kvprof.iocache import IoCache
 from kvprof.rollup import FINE_BITS, Rollup, fine_bucket
+from kvprof.rowsource import LiveRows, SqlRows, ViewFilter
 from kvprof.snapshot import build_snapshot
-from kvprof.store import open_replay, session_info
+from kvprof.store import Reader, open_replay, session_info
 from tests.conftest import assert_same_report
 from tests.test_top import SAMPLE
 
@@ -69,14 +70,15 @@ def test_cache_gives_the_report_of_the_sample(sample, window_s):
     live = Rollup(IoCache())
     assert live.cache.refresh(con) == con.execute("SELECT count(*) FROM io").fetchall()[0][0]
     dev = info.devices[0]["name"]
-    fio = next(t for t, c in build_snapshot(con, None, info.end_ns).process_choices
+    fio = next(t for t, c in build_snapshot(SqlRows(con), None, info.end_ns).process_choices
                if c == "fio")
     for now in (info.end_ns, info.start_ns + (info.end_ns - info.start_ns) * 2 // 3):
-        for f in (Filters(), Filters(device=dev), Filters(tgid=fio), Filters(device="none")):
-            ours = build_snapshot(con, window_s, now, f, live)
-            assert_same_snapshot(ours, build_snapshot(con, window_s, now, f))
-            assert_same_report(summarize(con, ours.t0_ns, ours.t1_ns, f, live),
-                               summarize(con, ours.t0_ns, ours.t1_ns, f))
+        for f in (ViewFilter(), ViewFilter(device=dev), ViewFilter(tgid=fio), ViewFilter(device="none")):
+            ours = build_snapshot(LiveRows(SqlRows(con), live), window_s, now, f)
+            assert_same_snapshot(ours, build_snapshot(SqlRows(con), window_s, now, f))
+            assert_same_report(
+                summarize(LiveRows(SqlRows(con), live), ours.t0_ns, ours.t1_ns, f),
+                summarize(SqlRows(con), ours.t0_ns, ours.t1_ns, f))
 
 
 class Session:
@@ -167,15 +169,15 @@ def test_cache_fed_in_completion_order_stays_equal_to_sql():
         now = sess.start + step * NS // 2
         sess.flush_until(now)
         live.cache.refresh(sess.con)
-        for window, f in ((10.0, Filters()), (60.0, Filters()), (None, Filters(device="loop7")),
-                          (10.0, Filters(tgid=20))):
+        for window, f in ((10.0, ViewFilter()), (60.0, ViewFilter()), (None, ViewFilter(device="loop7")),
+                          (10.0, ViewFilter(tgid=20))):
             if step % 3 and window != 10.0:
                 continue  # every view every third step; the live default every step
             before = live.rows_built
-            ours = build_snapshot(sess.con, window, now, f, live)
-            assert_same_snapshot(ours, build_snapshot(sess.con, window, now, f))
+            ours = build_snapshot(LiveRows(SqlRows(sess.con), live), window, now, f)
+            assert_same_snapshot(ours, build_snapshot(SqlRows(sess.con), window, now, f))
             checked += 1
-            if now - sess.start > 11 * NS and window == 10.0 and f == Filters():
+            if now - sess.start > 11 * NS and window == 10.0 and f == ViewFilter():
                 # Incremental: a frame rebuilds the newest units, the one cut by the
                 # window's start and those a late row or window reached, not the window.
                 rebuilt, rows = live.rows_built - before, len(live.cache.rows(
@@ -193,8 +195,9 @@ def test_views_past_the_cache_bound_fall_back_to_sql():
     end = sess.start + 6 * NS
     assert not live.cache.covers(sess.start) and live.cache.covers(end - NS // 2)
     for window in (None, 1.0):
-        assert_same_snapshot(build_snapshot(sess.con, window, end, Filters(), live),
-                             build_snapshot(sess.con, window, end))
+        assert_same_snapshot(
+            build_snapshot(LiveRows(SqlRows(sess.con), live), window, end, ViewFilter()),
+            build_snapshot(SqlRows(sess.con), window, end))
 
 
 def test_gpu_line_averages_the_samples_of_its_window():
@@ -210,7 +213,7 @@ def test_gpu_line_averages_the_samples_of_its_window():
             for i, t in enumerate(ts) for g in (0, 1)]
     sess.con.register("_g", pa.Table.from_pylist(rows, schema=schema.GPU))
     sess.con.execute("INSERT INTO gpu SELECT * FROM _g")
-    s = build_snapshot(sess.con, 1.0, end)
+    s = build_snapshot(SqlRows(sess.con), 1.0, end)
     inside = [r for r in rows if s.t0_ns <= r["ts_ns"] < s.t1_ns]
     assert s.gpu.gpus == 2 and s.gpu.samples == len(inside) == 20
     assert s.gpu.util_pct == pytest.approx(np.mean([r["gpu_util_pct"] for r in inside]))
@@ -218,7 +221,7 @@ def test_gpu_line_averages_the_samples_of_its_window():
     assert s.gpu.power_w == pytest.approx(np.mean([r["power_w"] for r in inside if r["gpu"] == 0]))
     assert s.gpu.sm_active_pct == pytest.approx(
         np.mean([r["sm_active_pct"] for r in inside if r["gpu"] == 0]))
-    early = build_snapshot(sess.con, 1.0, sess.start + NS)
+    early = build_snapshot(SqlRows(sess.con), 1.0, sess.start + NS)
     assert early.gpu is None and early.gpu_note == "no GPU samples in this window"
 
 
@@ -246,16 +249,16 @@ def test_asking_for_another_view_interrupts_a_long_sql_build(monkeypatch):
     import threading
     import time
 
-    import kvprof.snapshot as snapshot
+    import kvprof.rowsource as rowsource
     from kvprof.snapshot import Clock, SnapshotFeed, ViewRequest
 
     sess = Session(seconds=40, rate=25000)
     end = sess.start + 40 * NS
     sess.flush_until(end)
     t = time.perf_counter()
-    build_snapshot(sess.con, None, end)
+    build_snapshot(SqlRows(sess.con), None, end)
     sql_s = time.perf_counter() - t
-    monkeypatch.setattr(snapshot, "feed_cache", lambda: Rollup(IoCache(max_rows=10)))
+    monkeypatch.setattr(rowsource, "feed_cache", lambda: Rollup(IoCache(max_rows=10)))
     got, errors = [], []
     arrived = threading.Event()
 
@@ -263,7 +266,7 @@ def test_asking_for_another_view_interrupts_a_long_sql_build(monkeypatch):
         got.append((time.perf_counter(), s.window_s))
         arrived.set()
 
-    feed = SnapshotFeed(sess.con, Clock(sess.start, end, playing=False), deliver,
+    feed = SnapshotFeed(Reader(sess.con), Clock(sess.start, end, playing=False), deliver,
                         errors.append, interval_s=0.05, request=ViewRequest(window_s=None))
     feed.start()
     try:

@@ -16,9 +16,10 @@ from kvprof.correlate import summarize
 from kvprof.export import export_parquet
 from kvprof.findings import findings, phase_finding
 from kvprof.report import to_text
-from kvprof.snapshot import Clock, Filters, build_snapshot
+from kvprof.rowsource import SqlRows, ViewFilter
+from kvprof.snapshot import Clock, build_snapshot
 from kvprof import schema
-from kvprof.store import open_replay, session_info
+from kvprof.store import Reader, open_replay, session_info
 from tests.conftest import KVPROF, assert_same_report, live, run_kvprof
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +62,7 @@ def test_findings_name_the_limit_of_each_phase():
 
 def test_report_ends_with_the_findings(sample):
     con, _ = sample
-    summary = summarize(con)
+    summary = summarize(SqlRows(con))
     text = to_text(summary, "samples/demo")
     block = text.split("\nfindings:\n", 1)[1]
     assert "decode reads are latency-bound" in block
@@ -75,11 +76,12 @@ def test_report_ends_with_the_findings(sample):
 def test_snapshot_summary_is_the_report_for_its_window(sample, window_s):
     con, info = sample
     now = info.start_ns + 2_500_000_000 if window_s == 1.0 else info.end_ns
-    s = build_snapshot(con, window_s, now)
+    s = build_snapshot(SqlRows(con), window_s, now)
     assert s.t1_ns == now and s.t0_ns == (info.start_ns if window_s != 1.0 else now - 10**9)
-    assert s.summary == summarize(con, s.t0_ns, s.t1_ns)
+    assert s.summary == summarize(SqlRows(con), s.t0_ns, s.t1_ns)
     if window_s is None:
-        assert s.summary == summarize(con)  # the whole session at its end is `kvprof report`
+        # The whole session at its end is `kvprof report`.
+        assert s.summary == summarize(SqlRows(con))
     dec = s.phase("decode")
     rep = s.summary["phases"]["decode"]["block"]["read"]
     assert dec.read.mean == rep["bandwidth_bytes_per_s"] and dec.p99_us == rep["latency_us"]["p99"]
@@ -91,11 +93,12 @@ def test_snapshot_summary_is_the_report_for_its_window(sample, window_s):
 
 def test_snapshot_filters(sample):
     con, info = sample
-    fio = next(t for t, c in build_snapshot(con, None, info.end_ns).process_choices if c == "fio")
-    s = build_snapshot(con, None, info.end_ns, Filters(tgid=fio))
-    assert s.summary == summarize(con, s.t0_ns, s.t1_ns, Filters(tgid=fio))
+    fio = next(t for t, c in build_snapshot(SqlRows(con), None, info.end_ns).process_choices
+               if c == "fio")
+    s = build_snapshot(SqlRows(con), None, info.end_ns, ViewFilter(tgid=fio))
+    assert s.summary == summarize(SqlRows(con), s.t0_ns, s.t1_ns, ViewFilter(tgid=fio))
     assert s.phase("prefill").ios == 0 and s.phase("decode").ios > 0
-    none = build_snapshot(con, None, info.end_ns, Filters(device="nvme9n9"))
+    none = build_snapshot(SqlRows(con), None, info.end_ns, ViewFilter(device="nvme9n9"))
     assert not any(p.ios for p in none.phases) and any("no I/O" in n for n in none.notes)
 
 
@@ -104,7 +107,7 @@ def test_parquet_export_replays_the_same(sample, tmp_path):
     export_parquet(con, tmp_path / "pq")
     pq = open_replay(tmp_path / "pq")
     try:
-        assert build_snapshot(pq, None, info.end_ns).summary == summarize(con)
+        assert build_snapshot(SqlRows(pq), None, info.end_ns).summary == summarize(SqlRows(con))
     finally:
         pq.close()
 
@@ -128,7 +131,7 @@ def test_replay_clock_plays_scrubs_and_stops_at_the_end():
 def _app(con, info, **kw):
     from kvprof.ui.app import KvprofTop
 
-    return KvprofTop(con, Clock(info.start_ns, info.end_ns, playing=False), name="demo",
+    return KvprofTop(Reader(con), Clock(info.start_ns, info.end_ns, playing=False), name="demo",
                      interval_s=0.2, window_s=None, **kw)
 
 
@@ -190,7 +193,7 @@ def test_pilot_keys_change_window_filter_and_pause(sample):
     # Every message carries the report of its window and filter (built from the feed's row
     # cache, held equal to the SQL of `kvprof report`).
     for s in posted[:: max(1, len(posted) // 6)] + posted[-1:]:
-        assert_same_report(s.summary, summarize(con, s.t0_ns, s.t1_ns, s.filters))
+        assert_same_report(s.summary, summarize(SqlRows(con), s.t0_ns, s.t1_ns, s.filters))
         assert s.phase("decode").ios == sum(s.summary["phases"]["decode"]["block"][op]["ios"]
                                             for op in ("read", "write"))
 
@@ -263,7 +266,7 @@ def test_panel_snapshot(snap_compare, sample, panel, size):
     from kvprof.ui.app import FindingsLine, GpuLine, HeaderBar, PhasePanel, Timeline
 
     con, info = sample
-    snap = build_snapshot(con, None, info.end_ns)
+    snap = build_snapshot(SqlRows(con), None, info.end_ns)
     widget = {"header": HeaderBar, "timeline": Timeline, "gpu": GpuLine,
               "findings": FindingsLine}.get(panel, lambda: PhasePanel(panel))()
     app = _panel_app(widget)

@@ -1,8 +1,9 @@
 """`kvprof top`: live or replayed per-phase storage dashboard.
 
 Data path (memray's pattern): one `SnapshotFeed` thread builds a frozen `Snapshot` from its
-own DuckDB cursor and posts it as a `SnapshotReady` message; the app keeps only the newest
-and hands it to the widgets, which just render it. Nothing on the UI thread queries DuckDB.
+own row source and posts it as a `SnapshotReady` message; the app keeps only the newest
+and hands it to the widgets, which just render it. The app holds the session only as a
+`store.Reader` for the feed and the export worker: nothing here queries DuckDB.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable
 
-import duckdb
 from rich.text import Text
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
@@ -23,8 +23,11 @@ from textual.widget import Widget
 from textual.widgets import Footer, Static
 
 from kvprof import schema
-from kvprof.report import human_us, size_label
-from kvprof.snapshot import NS, WINDOWS_S, Clock, Filters, Snapshot, SnapshotFeed, ViewRequest
+from kvprof.errors import KvprofError
+from kvprof.export import export_session
+from kvprof.snapshot import NS, WINDOWS_S, Clock, Snapshot, SnapshotFeed, ViewRequest
+from kvprof.store import Reader
+from kvprof.units import human_us, size_label
 
 PHASE_COLOURS = {"prefill": "#e5a50a", "decode": "#3584e4", "mixed": "#c061cb",
                  "idle": "#5e5c64"}
@@ -257,15 +260,15 @@ class KvprofTop(App):
         Binding("q", "quit", "Quit"),
     ]
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, clock: Clock, *, name: str = "",
+    def __init__(self, session: Reader, clock: Clock, *, name: str = "",
                  export_dir: str | Path | None = None, interval_s: float = 0.5,
                  window_s: float | None = 60.0) -> None:
         super().__init__()
-        self.con, self.clock, self.session_name = con, clock, name
+        self.session, self.clock, self.session_name = session, clock, name
         self.export_dir = export_dir
         self.snapshot: Snapshot | None = None
         self.request = ViewRequest(window_s=window_s)
-        self.feed = SnapshotFeed(con, clock, deliver=self.post_message_snapshot,
+        self.feed = SnapshotFeed(session, clock, deliver=self.post_message_snapshot,
                                  on_error=lambda e: self.post_message(FeedError(e)),
                                  interval_s=interval_s, request=self.request)
 
@@ -361,18 +364,12 @@ class KvprofTop(App):
         self.run_worker(lambda: self._export(out), thread=True, exclusive=True, group="export")
 
     def _export(self, out: Path) -> None:
-        # Worker thread: its own cursor; it talks back only through call_from_thread.
-        from kvprof.errors import KvprofError
-        from kvprof.export import export_parquet
-
-        cur = self.con.cursor()
+        # Worker thread: it talks back only through call_from_thread.
         try:
-            files = export_parquet(cur, out)
-        except (KvprofError, duckdb.Error) as e:
+            files = export_session(self.session, out)
+        except KvprofError as e:
             self.call_from_thread(self.notify, f"export failed: {e}", severity="error")
             return
-        finally:
-            cur.close()
         self.call_from_thread(self.notify, f"exported {len(files)} files to {out}")
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
@@ -384,4 +381,4 @@ class KvprofTop(App):
                                 lambda a=action: self.run_action(a))
 
 
-__all__ = ["KvprofTop", "SnapshotReady", "Filters"]
+__all__ = ["KvprofTop", "SnapshotReady"]

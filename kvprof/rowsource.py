@@ -1,0 +1,377 @@
+"""Where correlate's I/O rows come from: the session store (SQL) or the live row cache.
+
+Correlate asks the same few questions of either, over phase pieces (disjoint [start, end)
+spans, each with its phase, from `correlate.flatten`), a time range and a view filter:
+
+- `per_phase`: per (phase, layer, op) counts, bytes, exact quantiles of total, queue and
+  device time, log2 histograms of size and latency; the busy islands idle time is read from;
+  the devices the rows went to;
+- `over_time`: bytes per (phase, layer, op) and grid second, bytes per layer and timeline
+  bin, I/O of the last second, the window's devices and busiest processes;
+- `gpu`: means of the GPU samples in a range;
+- and the session row and phase windows.
+
+`SqlRows` answers with DuckDB queries over the store (the report, exports, any recorded
+session). `LiveRows` answers from the dashboard's row cache and its per-second rollup
+(kvprof/iocache.py, kvprof/rollup.py) when they hold the span asked about, and passes the
+question to its `SqlRows` when they do not. Correlate computes each measure once from the
+answers; tests/test_live_cache.py holds both implementations to the same numbers.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from kvprof import rollup, schema
+from kvprof.intervals import busy_islands, busy_islands_ordered
+from kvprof.iocache import IoCache
+from kvprof.rollup import GRID_NS, Rollup
+from kvprof.store import Reader, SessionInfo, phase_windows, session_info
+
+NS = 1_000_000_000
+# A view switched while its SQL still runs: the feed catches this and builds the new view.
+Interrupted = duckdb.InterruptException
+# Raised by a store that is not a readable session (e.g. a table missing in a broken file).
+StoreError = duckdb.Error
+
+Islands = tuple[np.ndarray, np.ndarray]
+IslandsOf = Callable[[str | None], Islands]
+
+
+@dataclass(frozen=True)
+class ViewFilter:
+    """Which I/O a view counts: one device, one process (tgid), or all."""
+    device: str | None = None
+    tgid: int | None = None
+
+    def label(self) -> str:
+        parts = [f"dev {self.device}" if self.device else "", f"pid {self.tgid}" if self.tgid
+                 is not None else ""]
+        return ", ".join(p for p in parts if p) or "all I/O"
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """Disjoint phase pieces in time order; `t0` cuts them: the view is [t0, end of the last
+    piece), and pieces before t0 (a timeline reaching further back) feed only `over_time`'s
+    timeline. `whole`: the view is the whole session, which also counts rows issued outside
+    its bounds (between attaching and the first timestamp, or completing after the end)."""
+    start: np.ndarray
+    end: np.ndarray
+    phase: np.ndarray
+    t0: int
+    t1: int
+    origin: int  # the session's start: grid seconds count from it
+    whole: bool = False
+
+
+@dataclass(frozen=True)
+class PerPhase:
+    # (phase, layer, op, ios, bytes, total/queue/device quantiles in us, size hist, lat hist)
+    stats: list[tuple]
+    islands_of: IslandsOf  # busy islands of all traced devices (None) or of one
+    devices: list[str]     # devices the view's block rows went to
+
+
+@dataclass(frozen=True)
+class OverTime:
+    cell_bytes: dict[tuple[str, str, str], np.ndarray]  # bytes per grid second from t0's
+    layers_seen: np.ndarray  # (layer,) bool: rows of that layer in the timeline's span
+    bin_bytes: np.ndarray    # (layer, bin) bytes issued in each timeline bin
+    recent: int              # rows issued in the last second before t1
+    devices: list[str]       # every device of the window's rows, whatever the filter
+    processes: tuple[tuple[int, str], ...]  # the window's busiest (tgid, comm), whatever the filter
+
+
+class RowSource:
+    """What correlate reads; see the module docstring."""
+
+    def info(self) -> SessionInfo:
+        raise NotImplementedError
+
+    def windows(self, t0: int | None = None, t1: int | None = None) -> pa.Table:
+        raise NotImplementedError
+
+    def per_phase(self, pieces: Pieces, view: ViewFilter) -> PerPhase:
+        raise NotImplementedError
+
+    def over_time(self, pieces: Pieces, view: ViewFilter, c0: int, ncells: int,
+                  edges: np.ndarray) -> OverTime:
+        """`c0`, `ncells`: the grid seconds from the one holding t0; `edges`: the timeline's
+        bin edges (the first may lie before the session and before the pieces)."""
+        raise NotImplementedError
+
+    def gpu(self, t0: int, t1: int) -> tuple | None:
+        """(GPUs, samples, mean util, mem util, SM active, power, PCIe rx, tx, samples of the
+        whole session) over samples in [t0, t1); None when the session has no gpu table."""
+        raise NotImplementedError
+
+    def refresh(self) -> None:
+        """Take in rows stored since the last call (a live cache); nothing for SQL."""
+
+    def interrupt(self) -> None:
+        """Stop a query running in another thread: it raises `Interrupted` there."""
+
+    def close(self) -> None:
+        """Let go of the cursor."""
+
+
+# -- SQL over the store ------------------------------------------------------------------------
+
+def _where(view: ViewFilter, prefix: str = "") -> tuple[str, list]:
+    """Conditions (joined by AND, or empty) and their parameters for the view's filter."""
+    conds, params = [], []
+    if view.device is not None:
+        conds.append(f"{prefix}dev_name = ?")
+        params.append(view.device)
+    if view.tgid is not None:
+        conds.append(f"{prefix}tgid = ?")
+        params.append(int(view.tgid))
+    return " AND ".join(conds), params
+
+
+def _and(*conds: str) -> str:
+    return " AND ".join(c for c in conds if c)
+
+
+def _lookup(pieces: Pieces) -> pa.Table:
+    """Window lookup table for the ASOF join. The first piece reaches back to the start of
+    time so an I/O issued between attaching and the session's first timestamp still lands."""
+    start = pieces.start.copy()
+    if len(start):
+        start[0] = np.iinfo(np.int64).min
+    return pa.table({"w_start": start, "w_phase": pieces.phase.astype(str)})
+
+
+class SqlRows(RowSource):
+    """DuckDB queries over one session's tables, through one cursor (one thread)."""
+
+    def __init__(self, cur: duckdb.DuckDBPyConnection):
+        self.cur = cur
+
+    def info(self) -> SessionInfo:
+        return session_info(self.cur)
+
+    def windows(self, t0: int | None = None, t1: int | None = None) -> pa.Table:
+        return phase_windows(self.cur, t0, t1)
+
+    def row_count(self) -> int:
+        return self.cur.execute("SELECT count(*) FROM io").fetchall()[0][0]
+
+    def interrupt(self) -> None:
+        self.cur.interrupt()
+
+    def close(self) -> None:
+        self.cur.close()
+
+    def _joined(self, pieces: Pieces, sql: str, params: list) -> list[tuple]:
+        """Run `sql`, which reads `_kv_windows` for the pieces' lookup table."""
+        self.cur.register("_kv_windows", _lookup(pieces))
+        try:
+            return self.cur.execute(sql, params).fetchall()
+        finally:
+            self.cur.unregister("_kv_windows")
+
+    def per_phase(self, pieces: Pieces, view: ViewFilter) -> PerPhase:
+        cond, params = _where(view)
+        if not pieces.whole:
+            cond = _and("issue_ns >= ? AND issue_ns < ?", cond)
+            params = [int(pieces.t0), int(pieces.t1), *params]
+        qs = "[" + ", ".join(str(q) for _, q in schema.QUANTILES) + "]"
+        # One pass over the joined rows: counts, exact quantiles and both log2 histograms.
+        stats = self._joined(pieces, f"""
+            WITH io AS (
+                SELECT io.*, w.w_phase AS phase,
+                       complete_ns - CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END
+                           AS total_ns,
+                       CASE WHEN insert_ns > 0 THEN issue_ns - insert_ns ELSE 0 END AS queue_ns,
+                       complete_ns - issue_ns AS device_ns
+                FROM (SELECT * FROM io {"WHERE " + cond if cond else ""}) io
+                ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start)
+            SELECT phase, layer, op, count(*), sum(bytes)::UBIGINT,
+                   quantile_cont(total_ns / 1e3, {qs}), quantile_cont(queue_ns / 1e3, {qs}),
+                   quantile_cont(device_ns / 1e3, {qs}),
+                   histogram(2 ** floor(log2(greatest(bytes, 1)))::UBIGINT),
+                   histogram(2 ** floor(log2(greatest(total_ns / 1e3, 1)))::UBIGINT)
+            FROM io GROUP BY ALL""", params)
+        islands_of, present = self._islands(pieces.t0, pieces.t1, view, pieces.whole)
+        return PerPhase(stats, islands_of, present)
+
+    def _islands(self, t0: int, t1: int, view: ViewFilter, whole: bool):
+        """Busy islands from the block requests in flight at any time in [t0, t1), also those
+        issued before t0, and the devices the window's block requests went to."""
+        cond, params = _where(view)
+        tbl = self.cur.sql(f"""
+            SELECT dev_name, CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END AS s,
+                   complete_ns AS e, issue_ns >= ? AND issue_ns < ? AS inside
+            FROM io WHERE {_and("layer = 'block'", "complete_ns > ?",
+                                "CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END < ?",
+                                cond)}""",
+                           params=[int(t0), int(t1), int(t0), int(t1), *params]).to_arrow_table()
+        # Device names as dictionary codes: comparing small ints, not a million Python strings.
+        enc = tbl["dev_name"].combine_chunks().dictionary_encode()
+        codes = enc.indices.to_numpy(zero_copy_only=False)
+        names = enc.dictionary.to_pylist()
+        s, e = tbl["s"].to_numpy(), tbl["e"].to_numpy()
+        inside = tbl["inside"].to_numpy(zero_copy_only=False)
+        present = sorted({names[c] for c in np.unique(codes[inside | whole])})
+
+        def islands_of(device: str | None) -> Islands:
+            if device is None:
+                return busy_islands(s, e)
+            mine = codes == (names.index(device) if device in names else -1)
+            return busy_islands(s[mine], e[mine])
+        return islands_of, present
+
+    def over_time(self, pieces: Pieces, view: ViewFilter, c0: int, ncells: int,
+                  edges: np.ndarray) -> OverTime:
+        t0, t1, origin = int(pieces.t0), int(pieces.t1), int(pieces.origin)
+        cond, params = _where(view)
+        cells: dict[tuple[str, str, str], np.ndarray] = {}
+        if len(pieces.start):
+            rows = self._joined(pieces, f"""
+                SELECT w.w_phase, io.layer, io.op, (io.issue_ns - ?) // {GRID_NS} - ?,
+                       sum(io.bytes)::UBIGINT
+                FROM (SELECT layer, op, issue_ns, bytes FROM io
+                      WHERE {_and("issue_ns >= ? AND issue_ns < ?", cond)}) io
+                ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start
+                GROUP BY ALL""", [origin, int(c0), t0, t1, *params])
+            for phase, layer, op, b, nbytes in rows:
+                arr = cells.setdefault((phase, layer, op), np.zeros(ncells, np.int64))
+                if 0 <= b < ncells:
+                    arr[int(b)] += int(nbytes or 0)
+
+        lo, bin_ns, nbins = int(edges[0]), int(edges[1] - edges[0]), len(edges) - 1
+        seen = np.zeros(len(schema.LAYERS), bool)
+        bins = np.zeros((len(schema.LAYERS), nbins), np.int64)
+        for layer, b, nbytes in self.cur.execute(f"""
+                SELECT layer, (issue_ns - ?) // ?, sum(bytes)::UBIGINT FROM io
+                WHERE {_and("issue_ns >= ? AND issue_ns < ?", cond)} GROUP BY ALL""",
+                                                 [lo, bin_ns, lo, t1, *params]).fetchall():
+            if layer in schema.LAYERS:
+                seen[schema.LAYERS.index(layer)] = True
+                if 0 <= b < nbins:
+                    bins[schema.LAYERS.index(layer), int(b)] += int(nbytes or 0)
+
+        recent = self.cur.execute(
+            f"SELECT count(*) FROM io WHERE {_and('issue_ns >= ? AND issue_ns < ?', cond)}",
+            [t1 - NS, t1, *params]).fetchall()[0][0]
+        # The device and process choices list every I/O of the window, not the filtered.
+        devices = [r[0] for r in self.cur.execute(
+            "SELECT DISTINCT dev_name FROM io WHERE issue_ns >= ? AND issue_ns < ? "
+            "AND dev_name <> '' ORDER BY 1", [t0, t1]).fetchall()]
+        procs = tuple((int(t), str(c)) for t, c, _ in self.cur.execute("""
+            SELECT tgid, any_value(comm), count(*) FROM io
+            WHERE issue_ns >= ? AND issue_ns < ? GROUP BY tgid ORDER BY 3 DESC, 1
+            LIMIT 10""", [t0, t1]).fetchall())
+        return OverTime(cells, seen, bins, int(recent), devices, procs)
+
+    def gpu(self, t0: int, t1: int) -> tuple | None:
+        w = "(WHERE ts_ns >= $1 AND ts_ns < $2)"  # this range's samples
+        try:
+            return self.cur.execute(f"""
+                SELECT count(DISTINCT gpu) FILTER {w}, count(*) FILTER {w},
+                       avg(gpu_util_pct) FILTER {w}, avg(mem_util_pct) FILTER {w},
+                       avg(sm_active_pct) FILTER {w}, avg(power_w) FILTER {w},
+                       avg(pcie_rx_bytes_per_s) FILTER {w}, avg(pcie_tx_bytes_per_s) FILTER {w},
+                       count(*)
+                FROM gpu""", [int(t0), int(t1)]).fetchall()[0]
+        except duckdb.CatalogException:
+            return None
+
+
+# -- the live row cache --------------------------------------------------------------------------
+
+def feed_cache() -> Rollup:
+    """The dashboard feed's row cache: as many rows as its bound allows (at 100k events/s,
+    70 s: the 60 s window and a margin); a view reaching further back is computed with SQL."""
+    return Rollup(IoCache())
+
+
+class LiveRows(RowSource):
+    """The row cache and its rollup where they hold the span asked about, else `sql`."""
+
+    def __init__(self, sql: SqlRows, live: Rollup):
+        self.sql, self.live, self.cache = sql, live, live.cache
+
+    def info(self) -> SessionInfo:
+        return self.sql.info()
+
+    def windows(self, t0: int | None = None, t1: int | None = None) -> pa.Table:
+        return self.sql.windows(t0, t1)
+
+    def gpu(self, t0: int, t1: int) -> tuple | None:
+        return self.sql.gpu(t0, t1)
+
+    def interrupt(self) -> None:
+        self.sql.interrupt()
+
+    def close(self) -> None:
+        self.sql.close()
+
+    def refresh(self) -> None:
+        self.cache.refresh(self.sql.cur)
+
+    def per_phase(self, pieces: Pieces, view: ViewFilter) -> PerPhase:
+        if not self.cache.covers(pieces.t0):
+            return self.sql.per_phase(pieces, view)
+        units = self.live.units(pieces.start, pieces.end, pieces.phase, pieces.origin,
+                                view.device, view.tgid, unbounded=pieces.whole)
+        islands_of = self._islands(view)
+        return PerPhase(rollup.stats(units), islands_of, rollup.devices(units, self.cache))
+
+    def _islands(self, view: ViewFilter) -> IslandsOf:
+        """The cache's maintained islands, or for a process filter the process's block rows
+        (the cache holds every row that can reach into the window)."""
+        cache = self.cache
+        if view.tgid is None:
+            def islands_of(device: str | None) -> Islands:
+                if device is None or view.device is None or device == view.device:
+                    return cache.islands(device if device is not None else view.device)
+                return np.empty(0, np.int64), np.empty(0, np.int64)
+            return islands_of
+        rows = cache.slice(0, len(cache), view.device, view.tgid)
+        block = rows.layer == rollup.BLOCK
+
+        def islands_of(device: str | None) -> Islands:
+            mine = block if device is None else block & (rows.dev == cache.device_code(device))
+            return busy_islands_ordered(rows.start[mine], rows.complete[mine])
+        return islands_of
+
+    def over_time(self, pieces: Pieces, view: ViewFilter, c0: int, ncells: int,
+                  edges: np.ndarray) -> OverTime:
+        lo = int(pieces.start[0]) if len(pieces.start) else pieces.t0
+        if not self.cache.covers(lo):
+            return self.sql.over_time(pieces, view, c0, ncells, edges)
+        t0, t1, origin, cache = pieces.t0, pieces.t1, pieces.origin, self.cache
+        units = self.live.units(pieces.start, pieces.end, pieces.phase, origin, view.device,
+                                view.tgid, cuts=(t0,))
+        cells = rollup.bytes_by_cell([u for u in units if u.start >= t0], c0, ncells)
+        cut = np.minimum(edges, t1)
+        if view == ViewFilter():
+            bins = cache.layer_bytes(cut)
+        else:
+            r = cache.rows(int(cut[0]), t1, view.device, view.tgid)
+            at = np.searchsorted(r.issue, cut, side="left")
+            bins = np.vstack([np.diff(np.concatenate([[0], np.cumsum(
+                np.where(r.layer == lay, r.bytes, 0))])[at]) for lay in range(len(schema.LAYERS))])
+        recent = len(cache.rows(t1 - NS, t1, view.device, view.tgid))
+        plain = units if view == ViewFilter() else self.live.units(
+            pieces.start, pieces.end, pieces.phase, origin, cuts=(t0,))
+        plain = [u for u in plain if u.start >= t0]
+        return OverTime(cells, rollup.layers_seen(units), bins, recent,
+                        rollup.devices(plain, cache), rollup.busiest(plain, cache))
+
+
+def for_feed(reader: Reader, live: bool) -> RowSource:
+    """The dashboard feed's source, on its own cursor: the row cache in front of SQL, or SQL
+    alone for a replay too large to hold (every view from SQL, none read twice)."""
+    sql = SqlRows(reader.cursor())
+    cache = feed_cache()
+    if not live and sql.row_count() > cache.cache.max_rows:
+        return sql
+    return LiveRows(sql, cache)
