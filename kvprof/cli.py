@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
+from pathlib import Path
 
 from kvprof import __version__
 from kvprof.errors import EX_SOFTWARE, EX_USAGE, KvprofError
@@ -136,18 +138,24 @@ def cmd_top(args) -> int:
     return run_live(opts, interval_s=args.interval)
 
 
-def cmd_report(args) -> int:
+def print_report(session: str | Path, name: str, as_json: bool) -> None:
+    """The per-phase report of a recorded session on stdout: `kvprof report` and the demo."""
     from kvprof.correlate import summarize
-    from kvprof.rowsource import SqlRows
     from kvprof.report import to_json, to_text
+    from kvprof.rowsource import SqlRows
     from kvprof.store import open_session
 
-    con = open_session(args.session)
+    con = open_session(session)
     try:
         summary = summarize(SqlRows(con))
     finally:
         con.close()
-    sys.stdout.write(to_json(summary) + "\n" if args.json else to_text(summary, args.session))
+    sys.stdout.write(to_json(summary) + "\n" if as_json else to_text(summary, name))
+    sys.stdout.flush()
+
+
+def cmd_report(args) -> int:
+    print_report(args.session, args.session, args.json)
     return 0
 
 
@@ -187,7 +195,9 @@ def cmd_demo(args) -> int:
 
     # The dashboard only on a terminal: scripts and tests keep getting the printed report.
     tui = not (args.no_tui or args.json) and sys.stdout.isatty() and sys.stdin.isatty()
-    return run_demo(seconds=args.seconds, out=args.output, as_json=args.json, tui=tui)
+    # The demo gets the report from here: the CLI is the top layer, nothing imports it.
+    return run_demo(seconds=args.seconds, out=args.output, tui=tui,
+                    report=partial(print_report, as_json=args.json))
 
 
 COMMANDS = {"record": cmd_record, "top": cmd_top, "report": cmd_report, "export": cmd_export,

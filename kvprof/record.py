@@ -11,10 +11,11 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from kvprof import __version__, system
 from kvprof.devices import Device, resolve
@@ -22,6 +23,9 @@ from kvprof.errors import EX_UNAVAILABLE, EX_USAGE, KvprofError
 from kvprof.markers import socket_path
 from kvprof.phases import registry
 from kvprof.store import DB_FILE, Store
+
+if TYPE_CHECKING:
+    from kvprof.capture.ebpf import CaptureFilter
 
 FLUSH_INTERVAL_S = 0.25
 LOST_EVERY = 4  # flushes between updates of the session row's loss counts
@@ -43,8 +47,8 @@ def default_out() -> Path:
     return Path(datetime.now().strftime("kvprof-%Y%m%d-%H%M%S"))
 
 
-def resolve_filters(opts: RecordOptions):
-    from kvprof.capture.ebpf import Filters
+def resolve_filters(opts: RecordOptions) -> CaptureFilter:
+    from kvprof.capture.ebpf import CaptureFilter
 
     devices = tuple(dict.fromkeys(resolve(d) for d in opts.devices))
     for pid in opts.pids:
@@ -56,7 +60,8 @@ def resolve_filters(opts: RecordOptions):
         if not p.is_dir():
             raise KvprofError(f"no cgroup at {p} (cgroup v2 path expected)", EX_USAGE)
         cgroup_ids.append(os.stat(p).st_ino)
-    return Filters(devices=devices, tgids=tuple(opts.pids), cgroup_ids=tuple(cgroup_ids))
+    return CaptureFilter(devices=devices, tgids=tuple(opts.pids),
+                         cgroup_ids=tuple(cgroup_ids))
 
 
 class StopFlag:
@@ -154,6 +159,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         what = ", ".join(d.name for d in filters.devices) or "all block devices"
         log(f"Tracing {'+'.join(opts.layers)} I/O on {what}; marks on {marks.path}; "
             f"session {out}. Hit Ctrl-C to end.")
+        feeds = (marks, *(s for _, s in sources))
         deadline = None if opts.duration_s is None else time.monotonic() + opts.duration_s
         flushes = 0
         while not stop.is_set():
@@ -162,13 +168,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 timeout = min(timeout, max(0.0, deadline - time.monotonic()))
             if stop.wait(timeout) or (deadline is not None and time.monotonic() >= deadline):
                 break
-            store.append("io", capture.take())
-            for src in (marks, *(s for _, s in sources)):
-                for table, rows in src.take().items():
-                    store.append(table, rows)
-            now = time.monotonic_ns()
-            store.replace_open_windows([r for src in (marks, *(s for _, s in sources))
-                                        for r in src.open_rows(now)])
+            now = _drain(store, capture, feeds)
             flushes += 1
             row["end_ns"] = now
             if flushes % LOST_EVERY == 0:  # live views show losses while they happen
@@ -178,13 +178,9 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 store.mark_end(now)
         capture.stop()
         end_ns = time.monotonic_ns()
-        for src in (marks, *(s for _, s in sources)):
+        for src in feeds:
             src.stop(end_ns)
-        store.append("io", capture.take())
-        for src in (marks, *(s for _, s in sources)):
-            for table, rows in src.take().items():
-                store.append(table, rows)
-        store.replace_open_windows([])  # every window is closed now
+        _drain(store, capture, feeds, closed=True)
         lost = capture.lost() | marks.counts()
         row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
                    sources=json.dumps([{"source": str(sp), **_status(src)}
@@ -210,6 +206,19 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             (out / DB_FILE).unlink(missing_ok=True)
             if fresh_dir:
                 shutil.rmtree(out, ignore_errors=True)
+
+
+def _drain(store: Store, capture, feeds: tuple, closed: bool = False) -> int:
+    """Move what capture and the phase sources collected into the store; return the time
+    the open windows were cut at. `closed`: the sources have stopped, no window is open."""
+    store.append("io", capture.take())
+    for src in feeds:
+        for table, rows in src.take().items():
+            store.append(table, rows)
+    now = time.monotonic_ns()
+    # Open windows are rewritten at every flush so live views see the phase in progress.
+    store.replace_open_windows([] if closed else [r for src in feeds for r in src.open_rows(now)])
+    return now
 
 
 def _status(src) -> dict:
@@ -252,7 +261,14 @@ class BackgroundRecorder:
 
     def start(self) -> None:
         self._thread.start()
-        if not self.ready.wait(ATTACH_TIMEOUT_S):
+        try:
+            attached = self.ready.wait(ATTACH_TIMEOUT_S)
+        except BaseException:
+            # Ctrl-C while the probes load: no recorder may go on in the background.
+            self.stop.set()
+            self._thread.join(ATTACH_TIMEOUT_S)
+            raise
+        if not attached:
             self.finish(ATTACH_TIMEOUT_S)
             raise KvprofError(f"the recorder did not attach within {ATTACH_TIMEOUT_S:.0f} s",
                               EX_UNAVAILABLE)

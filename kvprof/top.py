@@ -7,13 +7,14 @@ in kvprof.ui and is imported only here, when a dashboard is actually shown.
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from kvprof import system
 from kvprof.record import BackgroundRecorder, RecordOptions
 from kvprof.snapshot import Clock
 from kvprof.store import Reader, open_replay, session_info
-
 
 
 def run_replay(source: str, interval_s: float = 0.5, window_s: float | None = None) -> int:
@@ -33,25 +34,53 @@ def run_replay(source: str, interval_s: float = 0.5, window_s: float | None = No
         con.close()
 
 
-def run_live(opts: RecordOptions, interval_s: float = 0.5, window_s: float | None = 60.0) -> int:
+def run_live(opts: RecordOptions, interval_s: float = 0.5, window_s: float | None = 60.0, *,
+             name: str = "live", beside: Callable[[BackgroundRecorder], None] | None = None,
+             log: Callable[[str], None] | None = None) -> int:
+    """Record with `opts` and show the dashboard on it until the user quits.
+
+    `beside` (a workload to watch) runs in a thread once the recorder is attached, since
+    Textual needs the main thread. Quitting early waits for it to end on its own, as the
+    recorder must outlive it; what it raised is raised here. The recorder's own lines go to
+    `log` (default: stderr) once the terminal is free again.
+    """
     # Privilege first, before any screen is drawn: one line and exit 77, like record.
     system.require_privilege()
     from kvprof.ui.app import KvprofTop
 
+    log = log or (lambda line: print(line, file=sys.stderr))
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            beside(rec)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            errors.append(e)
+
     rec = BackgroundRecorder(opts)
     rec.start()
+    worker = (threading.Thread(target=work, name="kvprof-live-work", daemon=True)
+              if beside is not None else None)
     try:
         cur = rec.store.con.cursor()
         info = session_info(cur)
         cur.close()
         clock = Clock(info.start_ns, None, playing=True)
-        app = KvprofTop(Reader(rec.store.con), clock, name="live", interval_s=interval_s,
+        app = KvprofTop(Reader(rec.store.con), clock, name=name, interval_s=interval_s,
                         window_s=window_s, export_dir=Path(rec.store.directory) / "parquet")
+        if worker is not None:
+            worker.start()
         app.run()
         rc = app.return_code or 0
     finally:
-        # The app has stopped its feed (on unmount) before the recorder closes the store.
-        rec.finish()
+        try:
+            if worker is not None and worker.is_alive():
+                worker.join()
+        finally:
+            # The app has stopped its feed (on unmount) before the recorder closes the store.
+            rec.finish()
+    if errors:
+        raise errors[0]
     for line in rec.log:
-        print(line, file=sys.stderr)
+        log(line)
     return rc

@@ -59,7 +59,7 @@ def probe_dir() -> Path:
 
 
 @dataclass(frozen=True)
-class Filters:
+class CaptureFilter:
     devices: tuple[Device, ...] = ()
     tgids: tuple[int, ...] = ()
     cgroup_ids: tuple[int, ...] = ()
@@ -73,7 +73,7 @@ class ProbeProgram:
     cflags: tuple[str, ...]
 
 
-def build_program(layers: tuple[str, ...], filters: Filters,
+def build_program(layers: tuple[str, ...], filters: CaptureFilter,
                   ringbuf_pages: int = RINGBUF_PAGES) -> ProbeProgram:
     d = probe_dir()
     # bcc rewrites map calls (events.ringbuf_output, ...) only in the main text, not in
@@ -95,7 +95,7 @@ def build_program(layers: tuple[str, ...], filters: Filters,
 class Capture:
     """Attached probes plus a drain thread. Batches accumulate until `take()`."""
 
-    def __init__(self, layers: tuple[str, ...], filters: Filters,
+    def __init__(self, layers: tuple[str, ...], filters: CaptureFilter,
                  ringbuf_pages: int = RINGBUF_PAGES):
         from kvprof.capture.bccload import load_bcc
 
