@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,9 +53,12 @@ class Store:
         return data.num_rows
 
     def replace_open_windows(self, rows: list[dict]) -> None:
-        self.con.execute("DELETE FROM phase_open")
-        if rows:
-            self.append("phase_open", pa.Table.from_pylist(rows, schema=schema.PHASE_OPEN))
+        # One transaction: a kill between the delete and the insert would otherwise leave
+        # a killed session without the phase that was running.
+        with self._transaction():
+            self.con.execute("DELETE FROM phase_open")
+            if rows:
+                self.append("phase_open", pa.Table.from_pylist(rows, schema=schema.PHASE_OPEN))
 
     def mark_end(self, end_ns: int) -> None:
         """While recording, the session reaches up to the last flush: live readers and a
@@ -63,14 +68,19 @@ class Store:
     def write_session(self, row: dict) -> None:
         tbl = pa.Table.from_pylist([row], schema=schema.SESSION)
         # One transaction: a live reader never sees the table without its row.
-        self.con.execute("BEGIN TRANSACTION")
-        try:
+        with self._transaction():
             self.con.execute("DELETE FROM session")
             self.append("session", tbl)
-            self.con.execute("COMMIT")
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            yield
         except BaseException:
             self.con.execute("ROLLBACK")
             raise
+        self.con.execute("COMMIT")
 
     def close(self) -> None:
         self.con.execute("CHECKPOINT")
