@@ -19,19 +19,13 @@ def _bcc() -> system.Check:
 
 
 def _nvml() -> system.Check:
-    try:
-        import pynvml
+    from kvprof.capture.nvml import nvml_available
 
-        pynvml.nvmlInit()
-        try:
-            n = pynvml.nvmlDeviceGetCount()
-        finally:
-            pynvml.nvmlShutdown()
-        return system.Check("nvml", True, f"{n} GPU(s)")
-    except Exception as e:  # noqa: BLE001 - pynvml raises its own types and OSError
-        return system.Check("nvml", False, f"not available ({type(e).__name__}); phase "
-                                           "windows from NVML are off",
-                            "install the NVIDIA driver (libnvidia-ml.so.1); optional")
+    status = nvml_available()
+    if status.ok:
+        return system.Check("nvml", True, f"{status.gpus} GPU(s)")
+    return system.Check("nvml", False, f"{status.reason}; no phase windows from NVML",
+                        f"{status.fix}; optional")
 
 
 def run_doctor() -> int:

@@ -32,17 +32,16 @@ from prometheus_client import (
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvprof.errors import KvprofError
+from kvprof.phases.exposition import Sample, parse_exposition
 from kvprof.phases.metrics import (
     INFERRED_CONFIDENCE,
     MetricsSource,
-    Sample,
     SglangMetrics,
     TgiMetrics,
     VllmMetrics,
     WindowTrack,
     check_url,
     from_spec,
-    parse_exposition,
 )
 
 TICK_S = 0.02

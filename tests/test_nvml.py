@@ -229,7 +229,7 @@ def test_no_pynvml_is_a_kvprof_error(monkeypatch):
 
 
 def test_importing_the_modules_does_not_import_pynvml():
-    code = ("import sys, kvprof.capture.nvml, kvprof.phases.nvml_classifier; "
+    code = ("import sys, kvprof.capture.nvml, kvprof.phases.nvml_classifier, kvprof.phases.nvml; "
             "print('pynvml' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True, cwd=ROOT).stdout

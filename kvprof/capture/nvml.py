@@ -1,7 +1,8 @@
-"""GPU counters from NVML at 10 Hz, as `gpu` rows and (classified) `phase` windows.
+"""GPU counters from NVML, as `gpu` rows (schema.GPU); `nvml_available()` for doctor and `auto`.
 
-The only module that imports pynvml, and only when a sampler is built, so everything else
-imports without the library or a driver.
+The only module that imports pynvml, and only inside functions, so everything else imports
+without the library or a driver. It knows nothing of phases: kvprof.phases.nvml polls the
+sampler at 10 Hz and classifies its rows.
 
 Per GPU and poll: utilisation rates, power, PCIe throughput, per-process SM utilisation and,
 on GPUs with GPM (Hopper and newer), SM activity, tensor activity and DRAM bandwidth
@@ -16,9 +17,9 @@ fields. On GPM GPUs, PCIe throughput comes from the same GPM window: the legacy
 nvmlDeviceGetPcieThroughput measures 20 ms per call and per direction, which on several GPUs
 would not fit in a 100 ms poll.
 
-A GPU that fails in any other way (lost, fallen off the bus, unknown error) is counted once as
-`nvml.gpu_lost`, its open phase window is closed at its last row, and it is not asked again;
-the other GPUs keep being sampled.
+A GPU that fails in any other way (lost, fallen off the bus, unknown error) is reported once
+through `on_lost` (the phase source counts it as `nvml.gpu_lost` and closes the GPU's open
+window at its last row) and not asked again; the other GPUs keep being sampled.
 """
 from __future__ import annotations
 
@@ -30,8 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvprof.errors import EX_UNAVAILABLE, KvprofError
-from kvprof.phases.base import PhaseSource
-from kvprof.phases.nvml_classifier import ClassifierConfig, WindowTracker
 
 GPM_MIN_INTERVAL_NS = 100_000_000
 KIB = 1024
@@ -68,19 +67,51 @@ class _Gpu:
     proc_since_us: int = 0  # NVML's per-process samples are stamped in wall-clock us
 
 
-class NvmlSampler(PhaseSource):
-    """Samples every GPU each poll; emits `gpu` rows and closed `phase` windows."""
+@dataclass(frozen=True)
+class NvmlStatus:
+    """Whether NVML initialises, and with how many GPUs; when not, why (one line) and the fix."""
 
-    name = "nvml"
-    interval_s = 0.1
+    ok: bool
+    gpus: int = 0
+    reason: str = ""
+    fix: str = ""
 
-    def __init__(self, config: ClassifierConfig | None = None,
-                 gpus: list[int] | None = None) -> None:
-        super().__init__()
-        self._nv = _load_nvml()
+
+def nvml_available() -> NvmlStatus:
+    """Initialise NVML once, count the GPUs, shut it down again. Never raises.
+
+    Cheap where there is no GPU (the library is not found, or the driver not loaded); where
+    there is one, it costs what the sampler's own start would."""
+    try:
+        nv = _init_nvml()
+    except _Unavailable as e:
+        return NvmlStatus(False, reason=e.reason, fix=e.fix)
+    except Exception as e:  # noqa: BLE001 - a probe must answer, whatever the library does
+        return NvmlStatus(False, reason=f"{type(e).__name__}: {e}", fix=_DRIVER_FIX)
+    try:
+        return NvmlStatus(True, gpus=int(nv.nvmlDeviceGetCount()))
+    except Exception as e:  # noqa: BLE001 - see above
+        return NvmlStatus(False, reason=f"cannot count GPUs: {e}", fix=_DRIVER_FIX)
+    finally:
+        _shutdown(nv)
+
+
+class NvmlSampler:
+    """Samples every GPU on each `poll()` and returns their `gpu` rows.
+
+    on_lost(gpu_index, why) hears of each GPU that stopped answering, at start or later,
+    before `poll()` returns. Not thread-safe: one owner polls it and closes it."""
+
+    def __init__(self, gpus: list[int] | None = None,
+                 on_lost: Callable[[int, str], None] | None = None) -> None:
+        try:
+            self._nv = _init_nvml()
+        except _Unavailable as e:
+            raise KvprofError(f"NVML not available: {e.reason}; {e.fix}",
+                              EX_UNAVAILABLE) from None
+        self._on_lost = on_lost or (lambda index, why: None)
         self._unavailable = {getattr(self._nv, n) for n in _FIELD_UNAVAILABLE
                              if hasattr(self._nv, n)}
-        self._windows = WindowTracker(config)
         self._closed = False
         try:
             self._gpus = self._open_gpus(gpus)
@@ -101,7 +132,7 @@ class NvmlSampler(PhaseSource):
             try:
                 gpus.append(self._open_gpu(i))
             except GpuLost as e:
-                self.problem("gpu_lost", f"gpu {i}: {e}")
+                self._on_lost(i, str(e))
         return gpus
 
     def _open_gpu(self, index: int) -> _Gpu:
@@ -130,23 +161,17 @@ class NvmlSampler(PhaseSource):
                 return None
             raise GpuLost(str(e)) from None
 
-    def poll(self) -> None:
+    def poll(self) -> list[dict]:
+        """One `gpu` row per GPU still answering."""
+        rows = []
         for gpu in list(self._gpus):
             try:
-                row = self._sample(gpu)
+                rows.append(self._sample(gpu))
             except GpuLost as e:
-                self._lose(gpu, str(e))
-                continue
-            self.emit("gpu", row)
-            for window in self._windows.feed(row):
-                self.emit("phase", window)
-
-    def _lose(self, gpu: _Gpu, why: str) -> None:
-        self.problem("gpu_lost", f"gpu {gpu.index}: {why}")
-        self._gpus.remove(gpu)
-        for window in self._windows.end_gpu(gpu.index):
-            self.emit("phase", window)
-        self._free_samples(gpu)
+                self._gpus.remove(gpu)
+                self._free_samples(gpu)
+                self._on_lost(gpu.index, str(e))
+        return rows
 
     def _sample(self, gpu: _Gpu) -> dict:
         nv, h = self._nv, gpu.handle
@@ -236,17 +261,11 @@ class NvmlSampler(PhaseSource):
             return []  # NVML's way of saying "no sample newer than since_us"
 
     # -- the end ------------------------------------------------------------------------------
-    def open_rows(self, now_ns: int) -> list[dict]:
-        # Read from the recorder's thread while poll() feeds the tracker: dict and row reads
-        # are atomic under the GIL, and a window caught mid-update is at worst one sample old.
-        return self._windows.open_rows()
-
-    def close(self, end_ns: int) -> None:
+    def close(self) -> None:
+        """Free the GPM buffers and shut NVML down; later calls do nothing."""
         if self._closed:
             return
         self._closed = True
-        for window in self._windows.close(end_ns):
-            self.emit("phase", window)
         for gpu in self._gpus:
             self._free_samples(gpu)
         self._shutdown()
@@ -260,22 +279,33 @@ class NvmlSampler(PhaseSource):
         gpu.samples, gpu.gpm = [], False
 
     def _shutdown(self) -> None:
-        try:
-            self._nv.nvmlShutdown()
-        except self._nv.NVMLError:
-            pass  # nothing left to release
+        _shutdown(self._nv)
 
 
-def _load_nvml():
-    """pynvml, initialised; KvprofError(EX_UNAVAILABLE) with a one-line reason otherwise."""
+_DRIVER_FIX = "install the NVIDIA driver (libnvidia-ml.so.1)"
+
+
+class _Unavailable(Exception):
+    def __init__(self, reason: str, fix: str) -> None:
+        super().__init__(reason)
+        self.reason, self.fix = reason, fix
+
+
+def _init_nvml():
+    """pynvml, initialised; _Unavailable with a one-line reason and its fix otherwise."""
     try:
         import pynvml
     except ImportError as e:
-        raise KvprofError(f"NVML not available: {e}; install nvidia-ml-py",
-                          EX_UNAVAILABLE) from None
+        raise _Unavailable(str(e), "install nvidia-ml-py") from None
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as e:
-        raise KvprofError(f"NVML not available: {e}; install the NVIDIA driver",
-                          EX_UNAVAILABLE) from None
+        raise _Unavailable(str(e), _DRIVER_FIX) from None
     return pynvml
+
+
+def _shutdown(nv) -> None:
+    try:
+        nv.nvmlShutdown()
+    except nv.NVMLError:
+        pass  # nothing left to release

@@ -8,7 +8,8 @@ counts summed); a quiet interval closes the window. So every window edge is with
 interval (0.1 s) of the moment the counters say the phase began or ended: the counters, not
 the compute. Rows carry source "metrics" and a confidence: the duration-weighted mean of 1.0
 for counted intervals, 0.5 for time inferred from a busy gauge (below) and 0.25 for SGLang's
-request-level fallback.
+request-level fallback. The page is parsed by `exposition`; windows are built by the shared
+`windows.Track`, with the busy-gauge hold (below) layered on it here.
 
 Engine names (the `engine` column): `<kind>:<model>#<rank>`, e.g. `vllm:Qwen/Qwen3-8B#0`
 (vLLM's `engine` label, the DP rank), `sglang:<model_name>#<dp_rank>` (no `#` without DP),
@@ -61,178 +62,16 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import re
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from kvprof.errors import EX_USAGE, KvprofError
-from kvprof.phases.base import PhaseSource, phase_row, step_phase
-
-# -- Prometheus text exposition ------------------------------------------------------------
-
-
-class Sample(NamedTuple):
-    name: str
-    labels: dict[str, str]
-    value: float
-
-
-_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-# Go's ParseFloat spellings that exporters actually write; float() alone would also take
-# "1_000" or "infinity", which no exporter writes and which only a wrong page would hold.
-_VALUE = re.compile(r"[+-]?(?:Inf|inf|NaN|nan|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)")
-_TIMESTAMP = re.compile(r"-?\d+(?:\.\d+)?")
-_PLAIN = re.compile(r'[^"\\]*')
-_BLANKS = " \t"
-_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
-
-
-def _skip(line: str, pos: int) -> int:
-    while pos < len(line) and line[pos] in _BLANKS:
-        pos += 1
-    return pos
-
-
-def _quoted(line: str, pos: int) -> tuple[str, int]:
-    """The string that starts with the quote at pos, unescaped, and the position after it."""
-    parts = []
-    pos += 1
-    while True:
-        m = _PLAIN.match(line, pos)
-        parts.append(m.group())
-        pos = m.end()
-        if pos >= len(line):
-            raise ValueError("unterminated string")
-        if line[pos] == '"':
-            return "".join(parts), pos + 1
-        if pos + 1 >= len(line):
-            raise ValueError("unterminated string")
-        nxt = line[pos + 1]
-        # Unknown escapes are kept as written, as Prometheus itself does.
-        parts.append(_ESCAPES.get(nxt, "\\" + nxt))
-        pos += 2
-
-
-def _labels(line: str, pos: int, want_name: bool) -> tuple[str | None, dict[str, str], int]:
-    """Parse from just after '{' to just after '}'. Prometheus 3 may quote a UTF-8 metric
-    name as the first item inside the braces; want_name allows that."""
-    labels: dict[str, str] = {}
-    name = None
-    first = True
-    while True:
-        pos = _skip(line, pos)
-        if pos >= len(line):
-            raise ValueError("unterminated label set")
-        if line[pos] == "}":
-            return name, labels, pos + 1
-        if line[pos] == '"':
-            key, pos = _quoted(line, pos)
-            quoted = True
-        else:
-            m = _LABEL_NAME.match(line, pos)
-            if not m:
-                raise ValueError(f"bad label name at column {pos + 1}")
-            key, pos = m.group(), m.end()
-            quoted = False
-        pos = _skip(line, pos)
-        if pos < len(line) and line[pos] == "=":
-            pos = _skip(line, pos + 1)
-            if pos >= len(line) or line[pos] != '"':
-                raise ValueError(f"label {key!r} has no quoted value")
-            value, pos = _quoted(line, pos)
-            if key in labels:
-                raise ValueError(f"duplicate label {key!r}")
-            labels[key] = value
-        elif want_name and first and quoted:
-            name = key
-        else:
-            raise ValueError(f"expected '=' after {key!r}")
-        first = False
-        pos = _skip(line, pos)
-        if pos < len(line) and line[pos] == ",":
-            pos += 1
-        elif pos >= len(line) or line[pos] != "}":
-            raise ValueError(f"expected ',' or '}}' at column {pos + 1}")
-
-
-def _sample(line: str) -> Sample:
-    m = _METRIC_NAME.match(line)
-    name = m.group() if m else None
-    pos = m.end() if m else 0
-    labels: dict[str, str] = {}
-    brace = _skip(line, pos)
-    if brace < len(line) and line[brace] == "{":
-        inner, labels, pos = _labels(line, brace + 1, want_name=name is None)
-        name = name or inner
-    if not name:
-        raise ValueError("no metric name")
-    if pos >= len(line) or line[pos] not in _BLANKS:
-        raise ValueError(f"{name}: no value")
-    fields = line[pos:].split()
-    if not _VALUE.fullmatch(fields[0]):
-        raise ValueError(f"{name}: bad value {fields[0][:20]!r}")
-    rest = fields[1:]
-    if rest and rest[0] != "#":  # an optional timestamp, then perhaps an OpenMetrics exemplar
-        if not _TIMESTAMP.fullmatch(rest[0]):
-            raise ValueError(f"{name}: bad timestamp {rest[0][:20]!r}")
-        rest = rest[1:]
-    if rest and rest[0] != "#":
-        raise ValueError(f"{name}: trailing text")
-    return Sample(name, labels, float(fields[0]))
-
-
-# The common line, checked whole by one regex: a bare name, plain labels, a value, perhaps a
-# timestamp. Scraping a large endpoint 10 times a second makes the per-character parser too
-# slow to run on every line; it handles what this does not match (and says what is wrong).
-_LABEL_PAIR = r'[a-zA-Z_][a-zA-Z0-9_]*="[^"\\\n]*(?:\\.[^"\\\n]*)*"'
-_FAST_LINE = re.compile(
-    rf"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{{((?:{_LABEL_PAIR}(?:,{_LABEL_PAIR})*,?)?)\}})?"
-    rf"[ \t]+({_VALUE.pattern})"
-    rf"(?:[ \t]+{_TIMESTAMP.pattern})?")
-_FAST_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="([^"\\]*(?:\\.[^"\\]*)*)"')
-_UNESCAPE = re.compile(r"\\(.)")
-
-
-def _unescape(value: str) -> str:
-    if "\\" not in value:
-        return value
-    return _UNESCAPE.sub(lambda m: _ESCAPES.get(m.group(1), m.group()), value)
-
-
-def parse_exposition(text: str, keep: Callable[[str], bool] | None = None) -> list[Sample]:
-    """Samples of Prometheus text exposition (0.0.4, also the OpenMetrics subset that
-    exporters write). Comments, HELP and TYPE lines are skipped; ValueError names the first
-    line that is not exposition, e.g. an HTML page. `keep(name)`, when given, picks the
-    samples to return; every line is still checked."""
-    samples = []
-    for lineno, raw in enumerate(text.split("\n"), 1):
-        line = raw.strip(" \t\r")
-        if not line or line[0] == "#":
-            continue
-        m = _FAST_LINE.fullmatch(line)
-        if m is not None:
-            name = m.group(1)
-            if keep is None or keep(name):
-                pairs = _FAST_PAIR.findall(m.group(2)) if m.group(2) else ()
-                labels = {k: _unescape(v) for k, v in pairs}
-                if len(labels) != len(pairs):
-                    raise ValueError(f"line {lineno}: {name}: duplicate label")
-                samples.append(Sample(name, labels, float(m.group(3))))
-            continue
-        try:
-            s = _sample(line)
-        except ValueError as e:
-            raise ValueError(f"line {lineno}: {e}: {line[:60]!r}") from None
-        if keep is None or keep(s.name):
-            samples.append(s)
-    return samples
-
+from kvprof.phases.base import PhaseSource, step_phase
+from kvprof.phases.exposition import Sample, parse_exposition
+from kvprof.phases.windows import Track
 
 # -- windows from counter intervals --------------------------------------------------------
 
@@ -240,18 +79,7 @@ def parse_exposition(text: str, keep: Callable[[str], bool] | None = None) -> li
 INFERRED_CONFIDENCE = 0.5
 
 
-@dataclass
-class _Window:
-    phase: str
-    start_ns: int
-    end_ns: int
-    prefill: int = 0
-    decode: int = 0
-    weighted_ns: float = 0.0  # sum of confidence x duration, for the duration-weighted mean
-    counted: bool = False  # False: all of it inferred, so its token counts are unknown
-
-
-class WindowTrack:
+class WindowTrack(Track):
     """The windows of one engine, fed consecutive scrape intervals. Not thread-safe.
 
     `step()` and `close()` return finished phase rows. A busy-but-quiet interval (the engine
@@ -259,23 +87,13 @@ class WindowTrack:
     what it was (see the module docstring)."""
 
     def __init__(self, engine: str, counts_are_tokens: bool = True) -> None:
-        self.engine = engine
+        super().__init__("metrics", engine)
         self.counts_are_tokens = counts_are_tokens
-        self.open: _Window | None = None
         self.busy_since: int | None = None
 
-    def _row(self, w: _Window) -> dict:
-        tokens = self.counts_are_tokens and w.counted
-        return phase_row(w.start_ns, w.end_ns, w.phase, "metrics", self.engine,
-                         prefill_tokens=w.prefill if tokens else None,
-                         decode_tokens=w.decode if tokens else None,
-                         confidence=round(w.weighted_ns / (w.end_ns - w.start_ns), 6))
-
-    def close(self) -> list[dict]:
-        w, self.open, self.busy_since = self.open, None, None
-        if w is None or w.end_ns <= w.start_ns:
-            return []
-        return [self._row(w)]
+    def close(self, end_ns: int | None = None) -> list[dict]:
+        self.busy_since = None
+        return super().close(end_ns)
 
     def step(self, t0: int, t1: int, prefill: int, decode: int, busy: bool = False,
              confidence: float = 1.0) -> list[dict]:
@@ -290,29 +108,20 @@ class WindowTrack:
             return self.close()
         span, self.busy_since = self.busy_since, None
         if span is not None:
-            inferred = INFERRED_CONFIDENCE * (t0 - span)
             if self.open is not None and self.open.phase == phase:
-                self.open.end_ns = t0  # the same work went on; the counters just did not tick
-                self.open.weighted_ns += inferred
+                # The same work went on; the counters just did not tick.
+                self.open.extend(span, t0, INFERRED_CONFIDENCE)
             elif phase in ("prefill", "mixed"):
                 # With nothing counted and requests running, they were prefilling (a decode
                 # step would have counted a token); the completion is what finally counts.
                 out += self.close()
-                self.open = _Window("prefill", span, t0, weighted_ns=inferred)
+                out += self.add("prefill", span, t0, INFERRED_CONFIDENCE)
                 if phase == "mixed":
                     out += self.close()
             else:
                 out += self.close()
-        if self.open is None or self.open.phase != phase or self.open.end_ns != t0:
-            out += self.close()
-            self.open = _Window(phase, t0, t0)
-        w = self.open
-        w.end_ns = t1
-        w.prefill += prefill
-        w.decode += decode
-        w.weighted_ns += confidence * (t1 - t0)
-        w.counted = True
-        return out
+        tokens = (prefill, decode) if self.counts_are_tokens else None
+        return out + self.add(phase, t0, t1, confidence, tokens)
 
 
 # -- the scraper -----------------------------------------------------------------------------
@@ -460,14 +269,10 @@ class MetricsSource(PhaseSource):
 
     def _end_all(self, end_ns: int | None = None) -> None:
         for track in self._tracks.values():
-            self._emit_rows(track.close(), end_ns)
+            self._emit_rows(track.close(end_ns))
 
-    def _emit_rows(self, rows: list[dict], end_ns: int | None = None) -> None:
+    def _emit_rows(self, rows: list[dict]) -> None:
         for row in rows:
-            if end_ns is not None:
-                if row["start_ns"] >= end_ns:
-                    continue
-                row["end_ns"] = min(row["end_ns"], end_ns)
             self.emit("phase", row)
 
     def ingest(self, ts_ns: int, samples: list[Sample], family: bool | None = None) -> None:
@@ -533,12 +338,8 @@ class MetricsSource(PhaseSource):
         """Each engine's open window up to its last scrape (not now: what came after that
         scrape is not known yet). Read from the recorder's thread while poll() runs; taking
         the values in one C-level list() is atomic under the GIL."""
-        rows = []
-        for track in list(self._tracks.values()):
-            w = track.open
-            if w is not None and w.end_ns > w.start_ns:
-                rows.append(track._row(w))
-        return rows
+        rows = (track.open_row() for track in list(self._tracks.values()))
+        return [row for row in rows if row is not None]
 
     def close(self, end_ns: int) -> None:
         # A held busy span has no verdict yet; windows end at the last scrape that saw them.

@@ -32,13 +32,13 @@ a GPU's first row, or one after a gap longer than max_gap_ns [1 s], covers first
 [100 ms] back. Consecutive rows with the same label merge; an idle row, a row without
 evidence or a gap ends the window. Idle is never emitted (no window means idle). Window
 confidence is the time-weighted mean of its rows'. A window ends at its last row: time after
-that was not measured.
+that was not measured. One `windows.Track` per GPU builds the windows.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvprof.phases.base import phase_row
+from kvprof.phases.windows import Track
 
 SOURCE = "nvml"
 IDLE = "idle"
@@ -124,30 +124,10 @@ def label(row: dict, config: ClassifierConfig, power: _PowerRange | None = None
     return _label_fallback(row, power_score, config)
 
 
-@dataclass
-class _Open:
-    phase: str
-    start_ns: int
-    end_ns: int
-    weighted_confidence: float = 0.0
-
-    def add(self, end_ns: int, confidence: float) -> None:
-        self.weighted_confidence += confidence * (end_ns - self.end_ns)
-        self.end_ns = end_ns
-
-    def row(self, gpu: int, end_ns: int) -> dict | None:
-        end_ns = min(end_ns, self.end_ns)
-        if end_ns <= self.start_ns:
-            return None
-        confidence = self.weighted_confidence / (self.end_ns - self.start_ns)
-        return phase_row(self.start_ns, end_ns, self.phase, SOURCE, gpu=gpu,
-                         confidence=round(confidence, 3))
-
-
 class _GpuState:
-    def __init__(self) -> None:
+    def __init__(self, gpu: int) -> None:
         self.last_ts: int | None = None
-        self.open: _Open | None = None
+        self.track = Track(SOURCE, gpu=gpu, confidence_digits=3)
         self.power = _PowerRange()
 
 
@@ -161,7 +141,9 @@ class WindowTracker:
 
     def feed(self, row: dict) -> list[dict]:
         gpu, ts = int(row["gpu"]), int(row["ts_ns"])
-        st = self._gpus.setdefault(gpu, _GpuState())
+        st = self._gpus.get(gpu)
+        if st is None:
+            st = self._gpus[gpu] = _GpuState(gpu)
         closed: list[dict] = []
         if st.last_ts is not None and ts <= st.last_ts:
             return closed  # out of order or repeated: it describes no new time
@@ -170,40 +152,28 @@ class WindowTracker:
         st.last_ts = ts
         verdict = label(row, self.config, st.power)
         phase, confidence = verdict if verdict is not None else (IDLE, 0.0)
-        if st.open is not None and (phase != st.open.phase or not contiguous):
-            closed += self._close(gpu, st, st.open.end_ns)
+        w = st.track.open
+        if w is not None and (phase != w.phase or not contiguous):
+            closed += st.track.close()
         if phase == IDLE:
             return closed
-        if st.open is None:
-            st.open = _Open(phase, span_start, span_start)
-        st.open.add(ts, confidence)
-        return closed
-
-    def _close(self, gpu: int, st: _GpuState, end_ns: int) -> list[dict]:
-        row = st.open.row(gpu, end_ns) if st.open is not None else None
-        st.open = None
-        return [row] if row is not None else []
+        return closed + st.track.add(phase, span_start, ts, confidence)
 
     def open_rows(self) -> list[dict]:
         """Open windows up to their last row, left open (for live views)."""
-        rows = []
-        for gpu, st in list(self._gpus.items()):
-            w = st.open
-            row = w.row(gpu, w.end_ns) if w is not None else None
-            if row is not None:
-                rows.append(row)
-        return rows
+        rows = (st.track.open_row() for st in list(self._gpus.values()))
+        return [row for row in rows if row is not None]
 
     def end_gpu(self, gpu: int) -> list[dict]:
         """Close a GPU's open window at its last row (it stopped answering)."""
         st = self._gpus.get(gpu)
-        return self._close(gpu, st, st.open.end_ns) if st and st.open else []
+        return st.track.close() if st is not None else []
 
     def close(self, end_ns: int) -> list[dict]:
         """Close every open window at its last row, cut at end_ns."""
         closed: list[dict] = []
-        for gpu, st in self._gpus.items():
-            closed += self._close(gpu, st, end_ns)
+        for st in self._gpus.values():
+            closed += st.track.close(end_ns)
         return closed
 
 

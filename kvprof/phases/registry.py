@@ -104,11 +104,12 @@ def resolve_specs(specs: list[str], log=None) -> list[SourceSpec]:
 
 
 def _nvml_present() -> bool:
-    import ctypes.util
+    """A GPU that NVML can sample. The same probe as `kvprof doctor`; without a GPU it fails
+    fast (no library, or no driver), and it never raises."""
+    from kvprof.capture.nvml import nvml_available
 
-    return ctypes.util.find_library("nvidia-ml") is not None or any(
-        Path(d, "libnvidia-ml.so.1").exists()
-        for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib/aarch64-linux-gnu"))
+    status = nvml_available()
+    return status.ok and status.gpus > 0
 
 
 def build(spec: SourceSpec):
@@ -134,7 +135,7 @@ def build(spec: SourceSpec):
 
         return VllmKvEvents(spec.target)
     if spec.kind == "nvml":
-        from kvprof.capture.nvml import NvmlSampler
+        from kvprof.phases.nvml import NvmlSource
 
-        return NvmlSampler()
+        return NvmlSource()
     raise KvprofError(f"phase source {spec.kind} cannot be built", EX_USAGE)

@@ -1,4 +1,4 @@
-"""Run kvprof's NvmlSampler the way the recorder does, for DURATION_S, and write what it
+"""Run kvprof's NVML phase source the way the recorder does, for DURATION_S, and write what it
 produced as JSON to OUT: {"gpu": rows, "phase": rows, "counts": {...}, "start_ns", "end_ns"}.
 
 Usage: python drive.py DURATION_S OUT. Run it with LD_LIBRARY_PATH naming the simulated
@@ -16,10 +16,10 @@ TAKE_EVERY_S = 0.25  # the recorder's flush interval: take() runs while the samp
 
 
 def main(duration_s: float, out: str) -> int:
-    from kvprof.capture.nvml import NvmlSampler
+    from kvprof.phases.nvml import NvmlSource
 
     try:
-        sampler = NvmlSampler()
+        sampler = NvmlSource()
     except KvprofError as e:
         print(f"kvprof: {e}", file=sys.stderr)
         return e.exit_code
