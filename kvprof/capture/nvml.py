@@ -62,7 +62,7 @@ class _Gpu:
     uuid: str | None
     gpm: bool = False
     samples: list = field(default_factory=list)  # two GPM sample buffers, used in turn
-    prev_gpm_ns: int | None = None  # when samples[0] was taken
+    prev_gpm_ns: int | None = None  # when samples[0] was surely taken (just after)
     gpm_values: dict | None = None  # the last completed window
     proc_since_us: int = 0  # NVML's per-process samples are stamped in wall-clock us
 
@@ -199,12 +199,15 @@ class NvmlSampler:
         prev, cur = gpu.samples
         if self._query(self._nv.nvmlGpmSampleGet, gpu.handle, cur) is None:
             return self._give_up_gpm(gpu)
+        # Stamped once the sample is surely taken: a thread held up between the poll's stamp
+        # and the call would otherwise let the next window come out under 100 ms (NaN).
+        taken_ns = time.monotonic_ns()
         if gpu.prev_gpm_ns is not None:
             gpu.gpm_values = self._gpm_window(prev, cur)
             if gpu.gpm_values is None:
                 return self._give_up_gpm(gpu)
         gpu.samples = [cur, prev]
-        gpu.prev_gpm_ns = now_ns
+        gpu.prev_gpm_ns = taken_ns
         return gpu.gpm_values
 
     def _give_up_gpm(self, gpu: _Gpu) -> None:
