@@ -65,6 +65,9 @@ class Synth:
             "error": pa.array(np.zeros(n, np.int32)),
             "uring_opcode": pa.array(np.zeros(n, np.uint8)),
             "uring_ctx": pa.array(np.zeros(n, np.uint64)),
+            "syscall": pa.nulls(n, pa.string()),
+            "path": pa.nulls(n, pa.string()),
+            "bytes_asked": pa.nulls(n, pa.uint64()),
         }, schema=schema.IO)
         tbl = tbl.take(np.argsort(issue + lat, kind="stable"))
         done = np.asarray(tbl["complete_ns"]) < t_to

@@ -30,8 +30,9 @@ def _record_args(p: argparse.ArgumentParser) -> None:
                    help="trace only this process and its threads; repeatable")
     p.add_argument("--cgroup", action="append", default=[],
                    help="trace only tasks in this cgroup v2 (path under /sys/fs/cgroup)")
-    p.add_argument("--layer", action="append", choices=("block", "io_uring"),
-                   help="capture only these layers (default: block and io_uring)")
+    p.add_argument("--layer", action="append", choices=("block", "io_uring", "syscall"),
+                   help="capture only these layers (default: block and io_uring, and the "
+                        "file syscalls when -p or --cgroup selects processes)")
     p.add_argument("--duration", type=float, help="stop after this many seconds")
     p.add_argument("--socket", help="marker socket path (default: $KVPROF_SOCKET or "
                                     "/run/kvprof/marks.sock)")
@@ -51,6 +52,18 @@ TOP_EXAMPLES = """examples:
 keys: space pause/play, w window (10 s/60 s/session), d device, p process,
       e export Parquet, left/right scrub, +/- speed, ? help, q quit
 """
+
+
+def _layers(args) -> tuple[str, ...]:
+    """--layer as given; by default the device layers, and the file syscalls of the selected
+    processes (system-wide, every read and write of every process would be traced)."""
+    from kvprof import system
+
+    if args.layer:
+        return tuple(dict.fromkeys(args.layer))
+    syscalls = (args.pid or args.cgroup) and all(
+        system.tracepoint_available(t) for t in system.TRACEPOINTS["syscall"])
+    return ("block", "io_uring", "syscall") if syscalls else ("block", "io_uring")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +117,7 @@ def cmd_record(args) -> int:
     from kvprof.record import RecordOptions, record, resolve_filters
 
     opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
-                         cgroups=args.cgroup, layers=tuple(args.layer or ("block", "io_uring")),
+                         cgroups=args.cgroup, layers=_layers(args),
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources)
     if args.ebpf:
         from kvprof.capture.ebpf import build_program
@@ -133,7 +146,7 @@ def cmd_top(args) -> int:
     from kvprof.record import RecordOptions
 
     opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
-                         cgroups=args.cgroup, layers=tuple(args.layer or ("block", "io_uring")),
+                         cgroups=args.cgroup, layers=_layers(args),
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources)
     return run_live(opts, interval_s=args.interval)
 

@@ -87,7 +87,7 @@ def device_layer(block_ios: int, io_uring_ios: int) -> str:
 def phase_layer(ph: dict) -> str:
     """`device_layer` of one phase of the report, by its reads and writes."""
     return device_layer(*(sum(ph[layer][op]["ios"] for op in MAIN_OPS)
-                          for layer in schema.LAYERS))
+                          for layer in schema.DEVICE_LAYERS))
 
 
 def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
@@ -111,8 +111,8 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             "time_s": time_s,
             "time_share_pct": 100.0 * time_s / total_s if total_s > 0 else 0.0,
             "windows": int(sel.sum()),
-            "block": {op: _op_entry(0, 0, time_s) for op in MAIN_OPS},
-            "io_uring": {op: _op_entry(0, 0, time_s) for op in MAIN_OPS},
+            **{layer: {op: _op_entry(0, 0, time_s) for op in MAIN_OPS}
+               for layer in schema.LAYERS},
         }
 
     # The whole session also counts rows issued outside its bounds.

@@ -25,17 +25,17 @@ def _nvml() -> system.Check:
     if status.ok:
         return system.Check("nvml", True, f"{status.gpus} GPU(s)")
     return system.Check("nvml", False, f"{status.reason}; no phase windows from NVML",
-                        f"{status.fix}; optional")
+                        f"{status.fix}; optional", required=False)
 
 
 def run_doctor() -> int:
     checks = [system.check_privilege(), system.check_tracefs(), *system.check_tracepoints(),
               _bcc(), system.check_headers(), _nvml()]
     for c in checks:
-        mark = "ok  " if c.ok else ("warn" if c.name == "nvml" else "FAIL")
+        mark = "ok  " if c.ok else ("FAIL" if c.required else "warn")
         line = f"{mark} {c.name:<20} {c.detail}"
         print(line)
         if not c.ok and c.fix:
             print(f"     {'':<20} fix: {c.fix}")
-    required_failed = [c for c in checks if not c.ok and c.name != "nvml"]
+    required_failed = [c for c in checks if not c.ok and c.required]
     return 1 if required_failed else 0

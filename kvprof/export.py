@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 
 from kvprof import schema
 from kvprof.errors import EX_DATAERR, EX_USAGE, KvprofError
-from kvprof.store import Reader
+from kvprof.store import Reader, missing_columns
 
 
 def export_parquet(con: duckdb.DuckDBPyConnection, out_dir: str | Path) -> list[Path]:
@@ -27,7 +27,10 @@ def export_parquet(con: duckdb.DuckDBPyConnection, out_dir: str | Path) -> list[
             # so every export has the same set of files.
             pq.write_table(sch.empty_table(), path, compression="zstd")
         else:
-            cols = ", ".join(f'"{f.name}"' for f in sch)
+            # A session recorded before a column existed: exported as NULL, same schema.
+            absent = set(missing_columns(con, table))
+            cols = ", ".join(f'NULL::{schema.duck_type(table, f.name)} AS "{f.name}"'
+                             if f.name in absent else f'"{f.name}"' for f in sch)
             # Path goes in as a parameter-free literal: quote it the SQL way.
             literal = "'" + str(path).replace("'", "''") + "'"
             con.execute(f"COPY (SELECT {cols} FROM {table}) TO {literal} "

@@ -10,7 +10,13 @@ import pyarrow as pa
 # Layers that produce I/O rows.
 LAYER_BLOCK = "block"
 LAYER_IO_URING = "io_uring"
-LAYERS = (LAYER_BLOCK, LAYER_IO_URING)
+# The file syscalls of the traced processes (probes/syscall.bpf.c): what the application
+# asked of its files, page cache hits and buffered writes included.
+LAYER_SYSCALL = "syscall"
+LAYERS = (LAYER_BLOCK, LAYER_IO_URING, LAYER_SYSCALL)
+# The layers a device sees once each byte: the others repeat (io_uring) or precede (syscall)
+# block requests.
+DEVICE_LAYERS = (LAYER_BLOCK, LAYER_IO_URING)
 
 # Operation codes shared with probes/kvprof.h (KVPROF_OP_*). Index = code.
 OPS = ("other", "read", "write", "flush", "discard")
@@ -21,6 +27,12 @@ FLAG_FUA = 1 << 1
 FLAG_PREFLUSH = 1 << 2
 FLAG_META = 1 << 3
 FLAG_RAHEAD = 1 << 4
+# syscall layer: the file was opened with O_DIRECT (no page cache).
+FLAG_DIRECT = 1 << 5
+
+# Syscall codes shared with probes/syscall.bpf.c (SYS_*). Index = code.
+SYSCALLS = ("read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64", "writev",
+            "pwritev", "pwritev2", "fsync", "fdatasync")
 
 PHASES = ("prefill", "decode", "mixed", "idle")
 # The latency quantiles every summary reports (name, q).
@@ -53,8 +65,15 @@ IO = pa.schema(
         # io_uring only: IORING_OP_* and the ring (struct io_ring_ctx address) it came from.
         ("uring_opcode", pa.uint8()),
         ("uring_ctx", pa.uint64()),
+        # syscall layer only: which syscall, the file's path as opened, bytes asked for
+        # (`bytes` is what the call did). Absent from sessions recorded before the layer.
+        ("syscall", pa.string()),
+        ("path", pa.string()),
+        ("bytes_asked", pa.uint64()),
     ]
 )
+# Columns of io added after the first release, with the type older sessions get them as.
+IO_LATER = ("syscall", "path", "bytes_asked")
 
 PHASE = pa.schema(
     [
@@ -161,6 +180,10 @@ _DUCK = {
     pa.int64(): "BIGINT",
     pa.float64(): "DOUBLE",
 }
+
+
+def duck_type(table: str, column: str) -> str:
+    return _DUCK[TABLES[table].field(column).type]
 
 
 def duckdb_ddl(name: str) -> str:

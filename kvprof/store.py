@@ -141,6 +141,15 @@ def open_session(session: str | Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
+def missing_columns(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
+    """Columns of schema.TABLES[table] the stored table lacks (a session recorded by an older
+    kvprof)."""
+    have = {r[0] for r in con.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = ?",
+        [table]).fetchall()}
+    return [f.name for f in schema.TABLES[table] if f.name not in have]
+
+
 def phase_windows(con: duckdb.DuckDBPyConnection, t0: int | None = None,
                   t1: int | None = None) -> pa.Table:
     """Closed windows plus those still open at the last flush (absent in older sessions);
@@ -192,6 +201,9 @@ def open_replay(source: str | Path) -> duckdb.DuckDBPyConnection:
                 con.execute(f"CREATE TABLE {name} AS SELECT * FROM read_parquet({literal})")
             else:
                 con.execute(schema.duckdb_ddl(name))
+        # An export of a session recorded before later io columns: they read as NULL.
+        for col in missing_columns(con, "io"):
+            con.execute(f'ALTER TABLE io ADD COLUMN "{col}" {schema.duck_type("io", col)}')
     except duckdb.Error as e:
         con.close()
         first = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -17,6 +17,10 @@ TRACEFS_CANDIDATES = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/traci
 TRACEPOINTS = {
     "block": ("block/block_rq_insert", "block/block_rq_issue", "block/block_rq_complete"),
     "io_uring": ("io_uring/io_uring_submit_req", "io_uring/io_uring_complete"),
+    "syscall": tuple(f"syscalls/sys_{side}_{name}" for name in (
+        "read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64", "writev",
+        "pwritev", "pwritev2", "fsync", "fdatasync", "openat", "close")
+        for side in ("enter", "exit")),
 }
 
 
@@ -26,6 +30,7 @@ class Check:
     ok: bool
     detail: str
     fix: str = ""
+    required: bool = True  # False: only an optional part (a layer, a phase source) is off
 
 
 def effective_caps() -> int:
@@ -98,11 +103,16 @@ def check_tracepoints() -> list[Check]:
     for group, tps in TRACEPOINTS.items():
         missing = [t for t in tps if not tracepoint_available(t)]
         if missing:
-            out.append(Check(f"tracepoints:{group}", False, "missing " + ", ".join(missing),
-                             "a kernel with CONFIG_BLK_DEV_IO_TRACE/io_uring tracepoints, "
-                             "and tracefs mounted"))
+            out.append(Check(f"tracepoints:{group}", False, "missing " + ", ".join(missing[:3])
+                             + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""),
+                             "a kernel with CONFIG_BLK_DEV_IO_TRACE, io_uring and "
+                             "CONFIG_FTRACE_SYSCALLS tracepoints, and tracefs mounted",
+                             # The file syscall layer is opt-in: without it, the rest works.
+                             required=group != "syscall"))
         else:
-            out.append(Check(f"tracepoints:{group}", True, ", ".join(t.split("/")[1] for t in tps)))
+            names = [t.split("/")[1] for t in tps]
+            out.append(Check(f"tracepoints:{group}", True, ", ".join(names) if len(names) <= 3
+                             else f"{len(names)} tracepoints ({names[0]}, ...)"))
     return out
 
 

@@ -6,6 +6,7 @@
 
 #define KVPROF_LAYER_BLOCK 0
 #define KVPROF_LAYER_IO_URING 1
+#define KVPROF_LAYER_SYSCALL 2
 
 #define KVPROF_OP_OTHER 0
 #define KVPROF_OP_READ 1
@@ -18,6 +19,8 @@
 #define KVPROF_FL_PREFLUSH (1 << 2)
 #define KVPROF_FL_META (1 << 3)
 #define KVPROF_FL_RAHEAD (1 << 4)
+/* syscall layer: the file was opened with O_DIRECT (page cache bypassed). */
+#define KVPROF_FL_DIRECT (1 << 5)
 /* Start-map entry of a request whose task was filtered out: dropped silently at completion. */
 #define KVPROF_FL_FILTERED (1 << 15)
 
@@ -29,7 +32,9 @@
  * another one runs on that CPU (e.g. a completion interrupt during a submit probe). */
 #define KVPROF_LOST_BLOCK_NOT_SEEN 2
 #define KVPROF_LOST_URING_NOT_SEEN 3
-#define KVPROF_NCOUNTERS 4
+/* An open whose record found the opens ring full: its file's I/O is not traced. */
+#define KVPROF_LOST_OPEN_RINGBUF 4
+#define KVPROF_NCOUNTERS 5
 
 #ifndef KVPROF_RINGBUF_PAGES
 #define KVPROF_RINGBUF_PAGES 1024
@@ -44,8 +49,8 @@ struct kvprof_io {
     u64 complete_ns;
     u64 sector;
     u64 cgroup_id;
-    u64 ctx;
-    u32 bytes;
+    u64 ctx;   /* io_uring: the ring; syscall: the file id (see syscall.bpf.c) */
+    u32 bytes; /* done */
     u32 dev;
     u32 pid;
     u32 tgid;
@@ -53,8 +58,9 @@ struct kvprof_io {
     u16 flags;
     u8 op;
     u8 layer;
-    u8 opcode;
-    u8 pad[7];
+    u8 opcode; /* io_uring: IORING_OP_*; syscall: which syscall */
+    u8 pad[3];
+    u32 asked; /* syscall: bytes asked for */
     char comm[16];
 };
 

@@ -120,6 +120,9 @@ class Session:
             "error": np.zeros(n, np.int32),
             "uring_opcode": np.zeros(n, np.uint8),
             "uring_ctx": np.zeros(n, np.uint64),
+            "syscall": pa.nulls(n, pa.string()),
+            "path": pa.nulls(n, pa.string()),
+            "bytes_asked": pa.nulls(n, pa.uint64()),
         }, schema=schema.IO)
         self.io = self.io.take(np.argsort(issue + dev_ns, kind="stable"))
         windows = []

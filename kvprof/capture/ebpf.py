@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import threading
 import time
@@ -14,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import schema
+from kvprof.capture.files import OPEN_DTYPE, FileTable, all_tgids
 from kvprof.capture.ringbuf import RingReader
 from kvprof.devices import Device, by_number
 from kvprof.errors import EX_UNAVAILABLE, KvprofError
@@ -36,18 +38,25 @@ EVENT_DTYPE = np.dtype(
         ("op", "u1"),
         ("layer", "u1"),
         ("opcode", "u1"),
-        ("pad", "V7"),
+        ("pad", "V3"),
+        ("asked", "<u4"),
         ("comm", "S16"),
     ]
 )
 assert EVENT_DTYPE.itemsize == 96
 
 HEADER = "kvprof.h"
-PROBE_FILES = {"block": "block.bpf.c", "io_uring": "io_uring.bpf.c"}
+PROBE_FILES = {"block": "block.bpf.c", "io_uring": "io_uring.bpf.c",
+               "syscall": "syscall.bpf.c"}
 COUNTER_NAMES = {0: "ringbuf_reserve_failed", 1: "block_unmatched_completion",
-                 2: "block_completion_not_seen", 3: "io_uring_completion_not_seen"}
+                 2: "block_completion_not_seen", 3: "io_uring_completion_not_seen",
+                 4: "syscall_open_ring_full"}
 START_MAPS = {"block": ("block_start_map", "block_completion_not_seen"),
-              "io_uring": ("uring_start_map", "io_uring_completion_not_seen")}
+              "io_uring": ("uring_start_map", "io_uring_completion_not_seen"),
+              "syscall": ("sys_start_map", "syscall_completion_not_seen")}
+LAYER_BLOCK = schema.LAYERS.index(schema.LAYER_BLOCK)
+LAYER_URING = schema.LAYERS.index(schema.LAYER_IO_URING)
+LAYER_SYSCALL = schema.LAYERS.index(schema.LAYER_SYSCALL)
 DRAIN_INTERVAL_S = 0.02
 # 16 MiB: about 170 k events, most of a second at 250 k events/s, so a pause of the Python
 # side (a store flush holding the GIL) does not overflow the ring.
@@ -83,6 +92,8 @@ def build_program(layers: tuple[str, ...], filters: CaptureFilter,
         parts.append((d / PROBE_FILES[layer]).read_text().replace(f'#include "{HEADER}"\n', ""))
     text = "\n".join(parts)
     cflags = [f"-DKVPROF_RINGBUF_PAGES={int(ringbuf_pages)}"]
+    if "syscall" in layers:
+        cflags.append(f"-DKVPROF_SELF_TGID={os.getpid()}")
     if filters.devices:
         cflags.append("-DKVPROF_FILTER_DEV")
     if filters.tgids:
@@ -116,6 +127,14 @@ class Capture:
         self.events_total = 0
         events = self.bpf["events"]
         self._ring = RingReader(events.map_fd, int(events.max_entries), EVENT_DTYPE)
+        self.files: FileTable | None = None
+        self._opens: RingReader | None = None
+        self._not_regular_rows = 0
+        if "syscall" in layers:
+            opens = self.bpf["opens"]
+            self._opens = RingReader(opens.map_fd, int(opens.max_entries), OPEN_DTYPE)
+            self.files = FileTable(self._forget)
+            self._seed_files()
         self._thread = threading.Thread(target=self._drain_loop, name="kvprof-drain", daemon=True)
 
     def _fill_filters(self) -> None:
@@ -133,10 +152,38 @@ class Capture:
             for c in self.filters.cgroup_ids:
                 t[ctypes.c_uint64(c)] = one
 
+    def _seed_files(self) -> None:
+        """Regular files the traced processes hold open already: into the kernel's map."""
+        if self.filters.tgids:
+            tgids = list(self.filters.tgids)
+        else:
+            tgids = [t for t in all_tgids() if t != os.getpid()]
+            if self.filters.cgroup_ids:
+                tgids = [t for t in tgids if _cgroup_id(t) in self.filters.cgroup_ids]
+        table = self.bpf["file_map"]
+        for fid, tgid, fd, direct in self.files.seed(tgids):
+            val = table.Leaf()
+            val.id, val.flags = fid, FLAG_DIRECT if direct else 0
+            table[table.Key(tgid, fd)] = val
+
+    def _forget(self, tgid: int, fd: int, fid: int) -> None:
+        table = self.bpf["file_map"]
+        key = table.Key(tgid, fd)
+        try:
+            if table[key].id == fid:  # not a later file under the same fd number
+                del table[key]
+        except KeyError:
+            pass  # closed already
+
     def start(self) -> None:
         self._thread.start()
 
     def _drain(self) -> None:
+        # Opens first: a file's open record is always submitted before its first I/O.
+        if self._opens is not None:
+            recs = self._opens.drain()
+            if len(recs):
+                self.files.opened(recs)
         ev = self._ring.drain()
         if len(ev):
             self._batches.append(ev)
@@ -164,6 +211,8 @@ class Capture:
             lost[reason] = lost.get(reason, 0) + held
         self._lost_final = lost
         self._ring.close()
+        if self._opens is not None:
+            self._opens.close()
         self.bpf.cleanup()
 
     def lost(self) -> dict[str, int]:
@@ -175,6 +224,8 @@ class Capture:
             out[name] = int(sum(counters.getvalue(ctypes.c_int(idx))))
         out["probe_skipped_nested"] = sum(
             recursion_misses(f.fd) for f in self.bpf.funcs.values() if f.fd is not None)
+        if self.files is not None:
+            out["syscall_not_regular_file"] = self._not_regular_rows
         return out
 
     def take(self) -> pa.RecordBatch | None:
@@ -200,21 +251,40 @@ class Capture:
     def to_batch(self, ev: np.ndarray) -> pa.RecordBatch:
         # Vectorised throughout: this runs for every event at up to hundreds of thousands a
         # second, on the same cores as the workload it measures.
-        uring = ev["layer"] == 1
+        layer = ev["layer"]
+        sysc = layer == LAYER_SYSCALL
+        if sysc.any() and self.files is not None:
+            # Rows of files found not to be regular files after all: dropped, and said so.
+            ids, inv = np.unique(ev["ctx"][sysc], return_inverse=True)
+            paths, dropped = self.files.paths(ids)
+            bad = np.zeros(len(ev), bool)
+            bad[np.flatnonzero(sysc)] = dropped[inv.reshape(-1)]
+            if bad.any():
+                self._not_regular_rows += int(bad.sum())
+                ev, layer = ev[~bad], layer[~bad]
+                sysc = layer == LAYER_SYSCALL
+                ids, inv = np.unique(ev["ctx"][sysc], return_inverse=True)
+                paths, _ = self.files.paths(ids)
+        else:
+            paths, inv = [], np.empty(0, np.int64)
+        block = layer == LAYER_BLOCK
+        uring = layer == LAYER_URING
         devs = ev["dev"]
-        uniq, inv = np.unique(devs, return_inverse=True)
+        uniq, dinv = np.unique(np.where(block, devs, 0), return_inverse=True)
         names = [self.device(int(u)).name if u else "" for u in uniq]
+        path_idx = np.zeros(len(ev), np.int32)
+        path_idx[sysc] = inv.reshape(-1)
         cols = {
-            "layer": _labels(ev["layer"], schema.LAYERS),
+            "layer": _labels(layer, schema.LAYERS),
             "op": _labels(np.minimum(ev["op"], len(schema.OPS) - 1), schema.OPS),
             "flags": pa.array(ev["flags"] & 0x7FFF, pa.uint16()),
             "insert_ns": pa.array(ev["insert_ns"].astype(np.int64)),
             "issue_ns": pa.array(ev["issue_ns"].astype(np.int64)),
             "complete_ns": pa.array(ev["complete_ns"].astype(np.int64)),
-            "dev_major": pa.array((devs >> 20).astype(np.uint32), mask=uring),
-            "dev_minor": pa.array((devs & 0xFFFFF).astype(np.uint32), mask=uring),
-            "dev_name": _labels(inv, names, mask=uring),
-            "sector": pa.array(ev["sector"], pa.uint64(), mask=uring),
+            "dev_major": pa.array((devs >> 20).astype(np.uint32), mask=~block),
+            "dev_minor": pa.array((devs & 0xFFFFF).astype(np.uint32), mask=~block),
+            "dev_name": _labels(dinv.reshape(-1), names, mask=~block),
+            "sector": pa.array(ev["sector"], pa.uint64(), mask=~block),
             "bytes": pa.array(ev["bytes"].astype(np.uint64)),
             "pid": pa.array(ev["pid"]),
             "tgid": pa.array(ev["tgid"]),
@@ -223,11 +293,29 @@ class Capture:
             "error": pa.array(ev["error"]),
             "uring_opcode": pa.array(ev["opcode"], pa.uint8(), mask=~uring),
             "uring_ctx": pa.array(ev["ctx"], pa.uint64(), mask=~uring),
+            "syscall": _labels(np.minimum(ev["opcode"], len(schema.SYSCALLS) - 1),
+                               schema.SYSCALLS, mask=~sysc),
+            "path": pa.DictionaryArray.from_arrays(
+                pa.array(path_idx, mask=~sysc), pa.array(paths or [""], pa.string()))
+            .cast(pa.string()),
+            "bytes_asked": pa.array(ev["asked"].astype(np.uint64), mask=~sysc),
         }
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO], schema=schema.IO)
 
 
 FLAG_FILTERED = 1 << 15  # KVPROF_FL_FILTERED: entries of tasks the filters leave out
+FLAG_DIRECT = schema.FLAG_DIRECT
+
+
+def _cgroup_id(tgid: int) -> int | None:
+    """The cgroup v2 id (its directory's inode) a process is in, as the probes see it."""
+    try:
+        for line in Path(f"/proc/{tgid}/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                return os.stat("/sys/fs/cgroup" + line[3:]).st_ino
+    except OSError:
+        pass
+    return None
 
 BPF_OBJ_GET_INFO_BY_FD = 15
 SYS_BPF = {"x86_64": 321, "aarch64": 280}

@@ -1,0 +1,134 @@
+"""The files the syscall layer traces: which (process, fd) the probes follow, and their paths.
+
+The kernel side (probes/syscall.bpf.c) follows a file from the openat that opened it until
+close, and gives each open a file id; syscall rows carry that id. This side names the ids:
+open records come through their own ring buffer with the path as the process passed it,
+resolved here to an absolute path. A file that turns out not to be a regular one (a
+directory, a FIFO or device opened by path) is taken out of the kernel's map at once, and the
+rows it produced meanwhile are dropped and counted. Files already open when kvprof attached
+are found in /proc and put into the map by hand, with ids of their own range.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+SEEDED_IDS = 1 << 40  # KVPROF_SEEDED_IDS in probes/syscall.bpf.c
+PATH_MAX = 240  # KVPROF_PATH_MAX
+O_DIRECT = getattr(os, "O_DIRECT", 0o40000)
+
+# Mirrors struct kvprof_open in probes/syscall.bpf.c.
+OPEN_DTYPE = np.dtype([("ts_ns", "<u8"), ("id", "<u8"), ("tgid", "<u4"), ("fd", "<i4"),
+                       ("flags", "<u4"), ("pad", "<u4"), ("path", f"S{PATH_MAX}")])
+# Kernel interfaces and devices are not storage an engine offloads to (the probe skips them
+# too, for the paths it sees; this catches them behind relative paths or links).
+_SKIP_PREFIXES = ("/dev/", "/proc/", "/sys/")
+
+
+@dataclass(frozen=True)
+class OpenFile:
+    path: str
+    tgid: int
+    fd: int
+    direct: bool
+
+
+class FileTable:
+    """id -> OpenFile for the files the probes follow; used by capture's drain thread."""
+
+    def __init__(self, forget: Callable[[int, int, int], None], proc: Path = Path("/proc")):
+        self._forget = forget  # takes (tgid, fd) out of the kernel's map if it still has id
+        self._proc = proc
+        self.files: dict[int, OpenFile] = {}
+        self.not_regular: set[int] = set()
+
+    def opened(self, recs: np.ndarray) -> None:
+        """Open records from the kernel, in order."""
+        for r in recs.tolist():
+            ts, fid, tgid, fd, flags, _, raw = r
+            path = self._absolute(raw.split(b"\0", 1)[0].decode(errors="replace"), tgid, fd)
+            if not self._regular(path):
+                self.not_regular.add(fid)
+                self._forget(tgid, fd, fid)
+                continue
+            self.files[fid] = OpenFile(path, tgid, fd, bool(flags & O_DIRECT))
+
+    def _absolute(self, path: str, tgid: int, fd: int) -> str:
+        if path.startswith("/"):
+            return os.path.normpath(path)
+        # Relative to the cwd or a directory fd: the kernel's own name for the open file.
+        try:
+            return os.readlink(self._proc / str(tgid) / "fd" / str(fd))
+        except OSError:
+            try:
+                return os.path.normpath(os.path.join(
+                    os.readlink(self._proc / str(tgid) / "cwd"), path))
+            except OSError:
+                return path
+
+    @staticmethod
+    def _regular(path: str) -> bool:
+        if path.startswith(_SKIP_PREFIXES):
+            return False
+        try:
+            return stat.S_ISREG(os.stat(path).st_mode)
+        except OSError:
+            return True  # gone already (unlinked chunk files are common): it was a file
+
+    def seed(self, tgids: Iterable[int]) -> list[tuple[int, int, int, bool]]:
+        """The regular files the processes hold open now, as (id, tgid, fd, direct) for the
+        kernel's map; their ids are this table's."""
+        out = []
+        next_id = SEEDED_IDS + len(self.files)
+        for tgid in tgids:
+            fd_dir = self._proc / str(tgid) / "fd"
+            try:
+                fds = sorted(int(n) for n in os.listdir(fd_dir) if n.isdigit())
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    path = os.readlink(fd_dir / str(fd))
+                    if not path.startswith("/") or not self._regular(path):
+                        continue
+                    direct = _fdinfo_flags(self._proc / str(tgid) / "fdinfo" / str(fd)) \
+                        & O_DIRECT != 0
+                except (OSError, ValueError):
+                    continue
+                next_id += 1
+                self.files[next_id] = OpenFile(path, tgid, fd, direct)
+                out.append((next_id, tgid, fd, direct))
+        return out
+
+    def paths(self, ids: np.ndarray) -> tuple[list[str | None], np.ndarray]:
+        """Paths of the unique ids (None when unknown) and which ids are not regular files."""
+        names = [f.path if (f := self.files.get(int(i))) is not None else None
+                 for i in ids.tolist()]
+        dropped = np.array([int(i) in self.not_regular for i in ids.tolist()], bool)
+        return names, dropped
+
+
+def _fdinfo_flags(path: Path) -> int:
+    for line in path.read_text().splitlines():
+        if line.startswith("flags:"):
+            return int(line.split()[1], 8)
+    return 0
+
+
+def all_tgids(proc: Path = Path("/proc")) -> list[int]:
+    return [int(d) for d in os.listdir(proc) if d.isdigit()]
+
+
+def cgroup_tgids(cgroup_dirs: Iterable[Path]) -> list[int]:
+    out: list[int] = []
+    for d in cgroup_dirs:
+        try:
+            out += [int(x) for x in (d / "cgroup.procs").read_text().split()]
+        except OSError:
+            continue
+    return out

@@ -1,0 +1,264 @@
+/* syscall: the file syscalls of the traced processes (read, write, pread64, pwrite64, readv,
+ * writev, preadv, pwritev, preadv2, pwritev2, fsync, fdatasync) on regular files they opened
+ * with openat. KV-offload backends do their disk I/O this way, from thread pools, and
+ * buffered writes reach the device later from flush threads, so the block layer alone cannot
+ * say which phase asked for what.
+ *
+ * Only files in file_map are traced: an openat of the traced process puts (tgid, fd) there
+ * (not for paths under /dev, /proc or /sys), user space seeds it with the regular files open
+ * when it attached and takes out what turns out not to be a regular file, close takes the
+ * entry out. Sockets, pipes and ttys never get an entry, so they cost one lookup per call and
+ * produce nothing. Each open gets a file id; rows carry it (kvprof_io.ctx), and the open
+ * records in the `opens` ring name its path. */
+#include "kvprof.h"
+#include <linux/fcntl.h>
+#include <linux/uio.h>
+
+/* preadv2/pwritev2's tracepoints name their flags argument with this type (linux/fs.h). */
+typedef int rwf_t;
+
+#define KVPROF_PATH_MAX 240
+#define KVPROF_IOV_MAX 8
+/* Open file ids given by user space while seeding start here; the kernel counts from 1. */
+#define KVPROF_SEEDED_IDS (1ULL << 40)
+#ifndef KVPROF_SELF_TGID
+#define KVPROF_SELF_TGID 0
+#endif
+
+struct file_key {
+    u32 tgid;
+    s32 fd;
+};
+
+struct file_val {
+    u64 id;
+    u16 flags; /* KVPROF_FL_DIRECT */
+    u16 pad[3];
+};
+
+struct sys_start {
+    u64 enter_ns;
+    u64 id;
+    u32 asked;
+    u16 flags;
+    u8 op;
+    u8 sysno;
+};
+
+struct open_start {
+    const char *filename;
+    u32 flags;
+    u32 pad;
+};
+
+/* Mirrored by OPEN_DTYPE in kvprof/capture/ebpf.py. */
+struct kvprof_open {
+    u64 ts_ns;
+    u64 id;
+    u32 tgid;
+    s32 fd;
+    u32 flags;
+    u32 pad;
+    char path[KVPROF_PATH_MAX];
+};
+
+BPF_HASH(file_map, struct file_key, struct file_val, KVPROF_START_ENTRIES);
+BPF_HASH(sys_start_map, u32, struct sys_start, KVPROF_START_ENTRIES);
+BPF_HASH(open_start_map, u32, struct open_start, 4096);
+BPF_ARRAY(file_ids, u64, 1);
+BPF_RINGBUF_OUTPUT(opens, 64);
+
+/* The kernel's syscall names, by the code in kvprof_io.opcode (schema.SYSCALLS). */
+#define SYS_READ 0
+#define SYS_PREAD64 1
+#define SYS_READV 2
+#define SYS_PREADV 3
+#define SYS_PREADV2 4
+#define SYS_WRITE 5
+#define SYS_PWRITE64 6
+#define SYS_WRITEV 7
+#define SYS_PWRITEV 8
+#define SYS_PWRITEV2 9
+#define SYS_FSYNC 10
+#define SYS_FDATASYNC 11
+
+static __always_inline int sys_begin(s64 fd, u8 op, u8 sysno, u64 asked)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct file_key k = {};
+    k.tgid = id >> 32;
+    k.fd = (s32)fd;
+    struct file_val *f = file_map.lookup(&k);
+    if (!f)
+        return 0;
+    struct sys_start s = {};
+    s.enter_ns = bpf_ktime_get_ns();
+    s.id = f->id;
+    s.flags = f->flags;
+    s.asked = asked > 0xffffffffULL ? 0xffffffff : (u32)asked;
+    s.op = op;
+    s.sysno = sysno;
+    u32 tid = (u32)id;
+    sys_start_map.update(&tid, &s);
+    return 0;
+}
+
+/* Bytes asked by a vector of iovecs: the first KVPROF_IOV_MAX entries (0 when there are more:
+ * unknown rather than wrong). */
+static __always_inline u64 iov_bytes(const struct iovec *vec, u64 vlen)
+{
+    if (vlen > KVPROF_IOV_MAX)
+        return 0;
+    u64 total = 0;
+#pragma unroll
+    for (int i = 0; i < KVPROF_IOV_MAX; i++) {
+        if (i >= vlen)
+            break;
+        struct iovec v = {};
+        bpf_probe_read_user(&v, sizeof(v), &vec[i]);
+        total += v.iov_len;
+    }
+    return total;
+}
+
+static __always_inline int sys_end(s64 ret)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    struct sys_start *s = sys_start_map.lookup(&tid);
+    if (!s)
+        return 0;
+    struct kvprof_io e = {};
+    e.issue_ns = s->enter_ns;
+    e.complete_ns = bpf_ktime_get_ns();
+    e.cgroup_id = bpf_get_current_cgroup_id();
+    e.ctx = s->id;
+    e.bytes = ret > 0 ? (u32)ret : 0;
+    e.error = ret < 0 ? (s32)ret : 0;
+    e.pid = tid;
+    e.tgid = id >> 32;
+    e.flags = s->flags;
+    e.op = s->op;
+    e.opcode = s->sysno;
+    e.asked = s->asked;
+    e.layer = KVPROF_LAYER_SYSCALL;
+    bpf_get_current_comm(&e.comm, sizeof(e.comm));
+    sys_start_map.delete(&tid);
+    kvprof_emit(&e);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_read)
+{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_READ, args->count); }
+TRACEPOINT_PROBE(syscalls, sys_enter_pread64)
+{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREAD64, args->count); }
+TRACEPOINT_PROBE(syscalls, sys_enter_readv)
+{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_READV, iov_bytes(args->vec, args->vlen)); }
+TRACEPOINT_PROBE(syscalls, sys_enter_preadv)
+{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREADV, iov_bytes(args->vec, args->vlen)); }
+TRACEPOINT_PROBE(syscalls, sys_enter_preadv2)
+{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREADV2, iov_bytes(args->vec, args->vlen)); }
+TRACEPOINT_PROBE(syscalls, sys_enter_write)
+{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_WRITE, args->count); }
+TRACEPOINT_PROBE(syscalls, sys_enter_pwrite64)
+{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITE64, args->count); }
+TRACEPOINT_PROBE(syscalls, sys_enter_writev)
+{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_WRITEV, iov_bytes(args->vec, args->vlen)); }
+TRACEPOINT_PROBE(syscalls, sys_enter_pwritev)
+{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITEV, iov_bytes(args->vec, args->vlen)); }
+TRACEPOINT_PROBE(syscalls, sys_enter_pwritev2)
+{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITEV2, iov_bytes(args->vec, args->vlen)); }
+TRACEPOINT_PROBE(syscalls, sys_enter_fsync)
+{ return sys_begin(args->fd, KVPROF_OP_FLUSH, SYS_FSYNC, 0); }
+TRACEPOINT_PROBE(syscalls, sys_enter_fdatasync)
+{ return sys_begin(args->fd, KVPROF_OP_FLUSH, SYS_FDATASYNC, 0); }
+
+TRACEPOINT_PROBE(syscalls, sys_exit_read) { return sys_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_pread64) { return sys_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_readv) { return sys_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_preadv) { return sys_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_preadv2) { return sys_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_write) { return sys_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_pwrite64) { return sys_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_writev) { return sys_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_pwritev) { return sys_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_pwritev2) { return sys_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_fsync) { return sys_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_fdatasync) { return sys_end(args->ret); }
+
+TRACEPOINT_PROBE(syscalls, sys_enter_openat)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    /* kvprof's own session files would feed back into what it records. */
+    if ((id >> 32) == KVPROF_SELF_TGID || !kvprof_task_allowed(id >> 32))
+        return 0;
+    struct open_start o = {};
+    o.filename = args->filename;
+    o.flags = (u32)args->flags;
+    u32 tid = (u32)id;
+    open_start_map.update(&tid, &o);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_openat)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    struct open_start *o = open_start_map.lookup(&tid);
+    if (!o)
+        return 0;
+    const char *filename = o->filename;
+    u32 oflags = o->flags;
+    open_start_map.delete(&tid);
+    long fd = args->ret;
+    if (fd < 0)
+        return 0;
+    struct kvprof_open *rec = opens.ringbuf_reserve(sizeof(struct kvprof_open));
+    if (!rec) {
+        kvprof_count(KVPROF_LOST_OPEN_RINGBUF);
+        return 0;
+    }
+    bpf_probe_read_user_str(rec->path, sizeof(rec->path), filename);
+    /* Device nodes, ttys and kernel interfaces are not storage the engine offloads to. */
+    if (rec->path[0] == '/' && ((rec->path[1] == 'd' && rec->path[2] == 'e' &&
+                                 rec->path[3] == 'v' && rec->path[4] == '/') ||
+                                (rec->path[1] == 'p' && rec->path[2] == 'r' &&
+                                 rec->path[3] == 'o' && rec->path[4] == 'c' &&
+                                 rec->path[5] == '/') ||
+                                (rec->path[1] == 's' && rec->path[2] == 'y' &&
+                                 rec->path[3] == 's' && rec->path[4] == '/'))) {
+        opens.ringbuf_discard(rec, BPF_RB_NO_WAKEUP);
+        return 0;
+    }
+    u32 zero = 0;
+    u64 *next = file_ids.lookup(&zero);
+    if (!next) {
+        opens.ringbuf_discard(rec, BPF_RB_NO_WAKEUP);
+        return 0;
+    }
+    u64 fid = __sync_fetch_and_add(next, 1) + 1;
+    struct file_key k = {};
+    k.tgid = id >> 32;
+    k.fd = (s32)fd;
+    struct file_val v = {};
+    v.id = fid;
+    v.flags = (oflags & O_DIRECT) ? KVPROF_FL_DIRECT : 0;
+    file_map.update(&k, &v);
+    rec->ts_ns = bpf_ktime_get_ns();
+    rec->id = fid;
+    rec->tgid = k.tgid;
+    rec->fd = k.fd;
+    rec->flags = oflags;
+    rec->pad = 0;
+    opens.ringbuf_submit(rec, BPF_RB_NO_WAKEUP);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_close)
+{
+    struct file_key k = {};
+    k.tgid = bpf_get_current_pid_tgid() >> 32;
+    k.fd = (s32)args->fd;
+    file_map.delete(&k);
+    return 0;
+}
