@@ -68,6 +68,7 @@ class Synth:
             "syscall": pa.nulls(n, pa.string()),
             "path": pa.nulls(n, pa.string()),
             "bytes_asked": pa.nulls(n, pa.uint64()),
+            "cache": pa.nulls(n, pa.string()),
         }, schema=schema.IO)
         tbl = tbl.take(np.argsort(issue + lat, kind="stable"))
         done = np.asarray(tbl["complete_ns"]) < t_to

@@ -42,6 +42,10 @@ def _record_args(p: argparse.ArgumentParser) -> None:
                         "vllm-kv-events=ENDPOINT, sglang-fpm=ENDPOINT, sglang-metrics=URL, "
                         "tgi-metrics=URL, nvml, auto (default: auto = discover running "
                         "engines and GPUs; marks are always received)")
+    p.add_argument("--cache", dest="caches", action="append", default=[], metavar="NAME=GLOB",
+                   help="label files whose path matches GLOB as KV cache NAME (repeatable; "
+                        "before the built-in lmcache-disk, vllm-fs-tier, vllm-disk-offload, "
+                        "sglang-hicache rules)")
     p.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -118,7 +122,8 @@ def cmd_record(args) -> int:
 
     opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
                          cgroups=args.cgroup, layers=_layers(args),
-                         duration_s=args.duration, socket=args.socket, phases=args.phase_sources)
+                         duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
+                         caches=args.caches)
     if args.ebpf:
         from kvprof.capture.ebpf import build_program
 
@@ -147,7 +152,8 @@ def cmd_top(args) -> int:
 
     opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
                          cgroups=args.cgroup, layers=_layers(args),
-                         duration_s=args.duration, socket=args.socket, phases=args.phase_sources)
+                         duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
+                         caches=args.caches)
     return run_live(opts, interval_s=args.interval)
 
 

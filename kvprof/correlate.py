@@ -128,6 +128,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
 
     _idle(phases, ws, we, wp, [d["name"] for d in info.devices] or got.devices,
           got.islands_of)
+    _caches(phases, rows.per_cache(Pieces(ws, we, wp, t0, t1, info.start_ns, whole), view))
     lost = {k: int(v) for k, v in info.lost.items()}
     return {
         "session": {
@@ -147,6 +148,36 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
         },
         "phases": phases,
     }
+
+
+def _caches(phases: dict, rows: list[tuple]) -> None:
+    """Per phase and KV cache (kvprof/caches.py), the syscall layer's reads and writes, and
+    for buffered reads the share the page cache served: app bytes the calls returned beside
+    the device bytes the calling threads read meanwhile."""
+    for p in schema.PHASES:
+        phases[p]["caches"] = {}
+    for p, cache, op, direct, ios, nbytes, dev in rows:
+        c = phases[p]["caches"].setdefault(cache, {
+            o: {"ios": 0, "bytes": 0, "bandwidth_bytes_per_s": 0.0, "direct_bytes": 0}
+            for o in MAIN_OPS})
+        e = c[op]
+        e["ios"] += int(ios)
+        e["bytes"] += int(nbytes)
+        e["direct_bytes"] += int(nbytes) if direct else 0
+        t = phases[p]["time_s"]
+        e["bandwidth_bytes_per_s"] = e["bytes"] / t if t > 0 else 0.0
+        if op == "read":
+            e["device_bytes"] = e.get("device_bytes", 0) + int(dev)
+            if not direct:
+                e["buffered_device_bytes"] = e.get("buffered_device_bytes", 0) + int(dev)
+    for p in schema.PHASES:
+        for c in phases[p]["caches"].values():
+            rd = c["read"]
+            buffered = rd["bytes"] - rd["direct_bytes"]
+            dev = rd.pop("buffered_device_bytes", 0)
+            rd.setdefault("device_bytes", 0)
+            rd["page_cache_hit_pct"] = (100.0 * max(0.0, 1 - dev / buffered)
+                                        if buffered > 0 else None)
 
 
 def _idle(phases: dict, ws, we, wp, devices: list[str], islands_of: IslandsOf) -> None:

@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvprof import __version__, system
+from kvprof import __version__, caches, system
 from kvprof.devices import Device, resolve
 from kvprof.errors import EX_UNAVAILABLE, EX_USAGE, KvprofError
 from kvprof.markers import socket_path
@@ -41,6 +41,7 @@ class RecordOptions:
     duration_s: float | None = None
     socket: str | None = None
     phases: list[str] = field(default_factory=list)  # --phases specs; empty = auto
+    caches: list[str] = field(default_factory=list)  # --cache NAME=GLOB, before the built-ins
 
 
 def default_out() -> Path:
@@ -93,6 +94,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
     system.ensure_tracefs()
     system.require_headers()
     filters = resolve_filters(opts)
+    cache_rules = caches.parse(opts.caches)
     for layer in opts.layers:
         missing = [t for t in system.TRACEPOINTS[layer] if not system.tracepoint_available(t)]
         if missing:
@@ -128,7 +130,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 if opts.phases:  # asked for by name: say so and stop
                     raise
                 log(f"kvprof: phase source {spec} not used: {e}")
-        capture = Capture(opts.layers, filters)
+        capture = Capture(opts.layers, filters, cache_rules=cache_rules)
         start_ns = time.monotonic_ns()
         offset = time.time_ns() - time.monotonic_ns()
         row = {
@@ -145,7 +147,8 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             "config": json.dumps({"layers": list(opts.layers), "devices": opts.devices,
                                   "pids": opts.pids, "cgroups": opts.cgroups,
                                   "socket": str(marks.path),
-                                  "phase_sources": ["marks", *(str(sp) for sp, _ in sources)]}),
+                                  "phase_sources": ["marks", *(str(sp) for sp, _ in sources)],
+                                  "caches": [[r.name, r.glob] for r in cache_rules]}),
             "lost": "{}",
             "sources": "[]",
             "status": "recording",

@@ -64,6 +64,19 @@ def to_text(summary: dict, name: str = "") -> str:
         if devs:
             idle = "  ".join(f"{d} {_pct(v['time_idle_pct'])}" for d, v in devs.items())
             lines.append(f"  block time idle: {idle}"[:WIDTH])
+        if ph.get("caches"):
+            lines.append(f"  {'KV cache (syscalls)':<20}{'read':>10}{'MiB/s':>8}{'hit':>8}"
+                         f"{'write':>11}{'MiB/s':>8}{'direct':>8}")
+            for cache, c in sorted(ph["caches"].items()):
+                rd, wr = c["read"], c["write"]
+                direct = (rd["direct_bytes"] + wr["direct_bytes"]) / max(
+                    1, rd["bytes"] + wr["bytes"])
+                lines.append(
+                    f"  {cache[:19]:<20}{human_bytes(rd['bytes']):>10}"
+                    f"{rd['bandwidth_bytes_per_s'] / 2**20:>8.1f}"
+                    f"{_pct(rd['page_cache_hit_pct']).replace(' ', ''):>8}"
+                    f"{human_bytes(wr['bytes']):>11}{wr['bandwidth_bytes_per_s'] / 2**20:>8.1f}"
+                    f"{100 * direct:>7.0f}%")
     lines.insert(3, "phase sources: " + ", ".join(s["phase_sources"]))
     for src, problems in s["source_problems"].items():
         lines.insert(4, f"  {src}: " + ", ".join(f"{k.split('.', 1)[-1]} {v}"

@@ -99,6 +99,12 @@ class RowSource:
     def per_phase(self, pieces: Pieces, view: ViewFilter) -> PerPhase:
         raise NotImplementedError
 
+    def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+        """Syscall reads and writes per (phase, cache, op, O_DIRECT): calls, bytes done, and
+        the bytes of the block reads the calling thread issued while in the call (what the
+        page cache did not hold; readahead included)."""
+        raise NotImplementedError
+
     def over_time(self, pieces: Pieces, view: ViewFilter, c0: int, ncells: int,
                   edges: np.ndarray) -> OverTime:
         """`c0`, `ncells`: the grid seconds from the one holding t0; `edges`: the timeline's
@@ -200,6 +206,39 @@ class SqlRows(RowSource):
             FROM io GROUP BY ALL""", params)
         islands_of, present = self._islands(pieces.t0, pieces.t1, view, pieces.whole)
         return PerPhase(stats, islands_of, present)
+
+    def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+        if "cache" not in self._io_columns():
+            return []  # recorded before the syscall layer
+        cond, params = _where(view)
+        if not pieces.whole:
+            cond = _and("issue_ns >= ? AND issue_ns < ?", cond)
+            params = [int(pieces.t0), int(pieces.t1), *params]
+        # A thread is in one call at a time, so a block read it issued while in a read call
+        # belongs to that call: matched by thread and time.
+        return self._joined(pieces, f"""
+            WITH s AS (
+                SELECT io.pid, io.issue_ns, io.complete_ns, io.bytes, io.op,
+                       coalesce(io.cache, 'other') AS cache,
+                       (io.flags & {schema.FLAG_DIRECT}) <> 0 AS direct, w.w_phase AS phase
+                FROM (SELECT * FROM io WHERE {_and("layer = 'syscall'",
+                                                   "op IN ('read', 'write')", cond)}) io
+                ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start),
+            dev AS (
+                SELECT s.pid, s.issue_ns, sum(b.bytes) AS bytes
+                FROM s JOIN (SELECT pid, issue_ns, bytes FROM io
+                             WHERE layer = 'block' AND op = 'read') b
+                  ON b.pid = s.pid AND b.issue_ns >= s.issue_ns AND b.issue_ns < s.complete_ns
+                WHERE s.op = 'read' GROUP BY ALL)
+            SELECT s.phase, s.cache, s.op, s.direct, count(*), sum(s.bytes)::UBIGINT,
+                   coalesce(sum(dev.bytes), 0)::UBIGINT
+            FROM s LEFT JOIN dev ON dev.pid = s.pid AND dev.issue_ns = s.issue_ns
+            GROUP BY ALL ORDER BY ALL""", params)
+
+    def _io_columns(self) -> set[str]:
+        return {r[0] for r in self.cur.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'io'"
+        ).fetchall()}
 
     def _islands(self, t0: int, t1: int, view: ViewFilter, whole: bool):
         """Busy islands from the block requests in flight at any time in [t0, t1), also those
@@ -306,6 +345,10 @@ class LiveRows(RowSource):
 
     def gpu(self, t0: int, t1: int) -> tuple | None:
         return self.sql.gpu(t0, t1)
+
+    def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+        # The row cache keeps no paths: syscall rows are few beside block rows, SQL it is.
+        return self.sql.per_cache(pieces, view)
 
     def interrupt(self) -> None:
         self.sql.interrupt()

@@ -70,10 +70,10 @@ IO = pa.schema(
         ("syscall", pa.string()),
         ("path", pa.string()),
         ("bytes_asked", pa.uint64()),
+        # syscall layer: the KV cache the file belongs to (kvprof/caches.py), by its path.
+        ("cache", pa.string()),
     ]
 )
-# Columns of io added after the first release, with the type older sessions get them as.
-IO_LATER = ("syscall", "path", "bytes_asked")
 
 PHASE = pa.schema(
     [

@@ -123,6 +123,7 @@ class Session:
             "syscall": pa.nulls(n, pa.string()),
             "path": pa.nulls(n, pa.string()),
             "bytes_asked": pa.nulls(n, pa.uint64()),
+            "cache": pa.nulls(n, pa.string()),
         }, schema=schema.IO)
         self.io = self.io.take(np.argsort(issue + dev_ns, kind="stable"))
         windows = []

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import duckdb
@@ -38,10 +39,11 @@ def test_backend_file_io_per_phase_equals_what_the_backends_did(loopdev, start_r
                     f"/dev/{loopdev}"], check=True)
     subprocess.run(["mount", f"/dev/{loopdev}", str(mnt)], check=True)
     try:
-        s0 = settle(loopdev)
         # No -p: the block layer must see the flush threads' writeback too. The syscall layer
         # then follows every process's files; the numbers below are the workload's.
         rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "syscall")
+        s0 = settle(loopdev)  # attached, and nothing in flight: the kernel's count starts
+        t0 = time.monotonic_ns()
         work = subprocess.Popen([sys.executable, str(ROOT / "tests" / "kv_backends.py"),
                                  str(mnt), rec.socket], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True)
@@ -58,25 +60,31 @@ def test_backend_file_io_per_phase_equals_what_the_backends_did(loopdev, start_r
     con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
     try:
         mine = summarize(SqlRows(con), view=ViewFilter(tgid=work.pid))["phases"]
-        for phase, ops in did.items():
-            for op, (calls, nbytes) in ops.items():
+        for phase, by_cache in did.items():
+            for op in ("read", "write"):
+                calls = sum(ops[op][0] for ops in by_cache.values() if op in ops)
+                nbytes = sum(ops[op][1] for ops in by_cache.values() if op in ops)
                 got = mine[phase]["syscall"][op]
                 assert (got["ios"], got["bytes"]) == (calls, nbytes), (phase, op, got)
+            # Per KV cache, labelled from the paths by kvprof/caches.py's rules.
+            for cache, ops in by_cache.items():
+                for op, (calls, nbytes) in ops.items():
+                    got = mine[phase]["caches"][cache][op]
+                    assert (got["ios"], got["bytes"]) == (calls, nbytes), (phase, cache, op)
+            assert set(mine[phase]["caches"]) == set(by_cache)
         # Nothing else of the workload while it worked (before, Python read its modules):
         # its pipe is not a file.
-        assert sum(mine[p]["syscall"][op]["ios"] for p in did for op in ("read", "write")) \
-            == sum(c for ops in did.values() for c, _ in ops.values())
         rows = con.execute("""
-            SELECT path, syscall, flags, bytes, bytes_asked FROM io
+            SELECT path, syscall, flags, bytes, bytes_asked, cache FROM io
             WHERE layer = 'syscall' AND tgid = ? AND path LIKE ?""",
                            [work.pid, str(mnt) + "/%"]).fetchall()
-        assert len(rows) == sum(c for ops in did.values() for c, _ in ops.values())
+        assert len(rows) == sum(c for by_cache in did.values() for ops in by_cache.values()
+                                for c, _ in ops.values())
         assert con.execute("SELECT count(*) FROM io WHERE layer = 'syscall' AND path IS NULL"
                            ).fetchall()[0][0] == 0
         # O_DIRECT files (vLLM's fs tier) are marked so; the buffered ones are not.
-        for path, syscall, flags, nbytes, asked in rows:
-            direct = len(Path(path).stem) == 16 and Path(path).suffix == ".bin"
-            assert bool(flags & schema.FLAG_DIRECT) == direct, (path, flags)
+        for path, syscall, flags, nbytes, asked, cache in rows:
+            assert bool(flags & schema.FLAG_DIRECT) == (cache == "vllm-fs-tier"), (path, flags)
             assert nbytes <= asked
         # glibc's preadv is the preadv2 syscall on newer kernels.
         called = {s for _, s, *_ in rows}
@@ -85,11 +93,31 @@ def test_backend_file_io_per_phase_equals_what_the_backends_did(loopdev, start_r
     finally:
         con.close()
 
-    # The device layer is as exact as before: every block request the kernel counted.
+    # Page cache, with the cache dropped before decode: LMCache's chunks were read twice
+    # (the device served the first pass), HiCache's pages once, vLLM's reads bypass it.
+    dec = mine["decode"]["caches"]
+    lmc, hic, tier = dec["lmcache-disk"]["read"], dec["sglang-hicache"]["read"], \
+        dec["vllm-fs-tier"]["read"]
+    print(f"decode reads: lmcache app {lmc['bytes']} device {lmc['device_bytes']} hit "
+          f"{lmc['page_cache_hit_pct']}; hicache app {hic['bytes']} device "
+          f"{hic['device_bytes']} hit {hic['page_cache_hit_pct']}; vllm app {tier['bytes']} "
+          f"device {tier['device_bytes']} hit {tier['page_cache_hit_pct']}")
+    assert lmc["device_bytes"] == lmc["bytes"] // 2 and lmc["page_cache_hit_pct"] == 50.0
+    assert hic["device_bytes"] == hic["bytes"] and hic["page_cache_hit_pct"] == 0.0
+    assert tier["device_bytes"] == tier["bytes"] and tier["page_cache_hit_pct"] is None
+
+    # The device layer is as exact as before: every block request the kernel counted from
+    # s0 on (the writeback of the buffered chunks included), no more.
     d = stat_delta(s0, s1)
-    blk = [report["phases"][p]["block"] for p in schema.PHASES]
-    assert_kernel_count(sum(b["read"]["ios"] for b in blk), d[READ_IOS], report)
-    assert_kernel_count(sum(b["write"]["ios"] for b in blk), d[WRITE_IOS], report)
+    con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
+    try:
+        blk = dict((op, (n, b)) for op, n, b in con.execute("""
+            SELECT op, count(*), sum(bytes) FROM io WHERE layer = 'block' AND issue_ns >= ?
+            GROUP BY op""", [t0]).fetchall())
+    finally:
+        con.close()
+    assert_kernel_count(blk["read"][0], d[READ_IOS], report)
+    assert_kernel_count(blk["write"][0], d[WRITE_IOS], report)
     if report["session"]["lost_events"] == 0:
-        assert sum(b["write"]["bytes"] for b in blk) == d[WRITE_SECTORS] * 512
-        assert sum(b["read"]["bytes"] for b in blk) == d[READ_SECTORS] * 512
+        assert blk["write"][1] == d[WRITE_SECTORS] * 512
+        assert blk["read"][1] == d[READ_SECTORS] * 512

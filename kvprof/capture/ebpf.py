@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from kvprof import schema
+from kvprof import caches, schema
 from kvprof.capture.files import OPEN_DTYPE, FileTable, all_tgids
 from kvprof.capture.ringbuf import RingReader
 from kvprof.devices import Device, by_number
@@ -107,7 +107,8 @@ class Capture:
     """Attached probes plus a drain thread. Batches accumulate until `take()`."""
 
     def __init__(self, layers: tuple[str, ...], filters: CaptureFilter,
-                 ringbuf_pages: int = RINGBUF_PAGES):
+                 ringbuf_pages: int = RINGBUF_PAGES,
+                 cache_rules: tuple[caches.Rule, ...] = caches.BUILTIN):
         from kvprof.capture.bccload import load_bcc
 
         self.bcc = load_bcc()
@@ -133,7 +134,7 @@ class Capture:
         if "syscall" in layers:
             opens = self.bpf["opens"]
             self._opens = RingReader(opens.map_fd, int(opens.max_entries), OPEN_DTYPE)
-            self.files = FileTable(self._forget)
+            self.files = FileTable(self._forget, cache_rules)
             self._seed_files()
         self._thread = threading.Thread(target=self._drain_loop, name="kvprof-drain", daemon=True)
 
@@ -256,7 +257,7 @@ class Capture:
         if sysc.any() and self.files is not None:
             # Rows of files found not to be regular files after all: dropped, and said so.
             ids, inv = np.unique(ev["ctx"][sysc], return_inverse=True)
-            paths, dropped = self.files.paths(ids)
+            paths, labels, dropped = self.files.paths(ids)
             bad = np.zeros(len(ev), bool)
             bad[np.flatnonzero(sysc)] = dropped[inv.reshape(-1)]
             if bad.any():
@@ -264,9 +265,9 @@ class Capture:
                 ev, layer = ev[~bad], layer[~bad]
                 sysc = layer == LAYER_SYSCALL
                 ids, inv = np.unique(ev["ctx"][sysc], return_inverse=True)
-                paths, _ = self.files.paths(ids)
+                paths, labels, _ = self.files.paths(ids)
         else:
-            paths, inv = [], np.empty(0, np.int64)
+            paths, labels, inv = [], [], np.empty(0, np.int64)
         block = layer == LAYER_BLOCK
         uring = layer == LAYER_URING
         devs = ev["dev"]
@@ -299,6 +300,9 @@ class Capture:
                 pa.array(path_idx, mask=~sysc), pa.array(paths or [""], pa.string()))
             .cast(pa.string()),
             "bytes_asked": pa.array(ev["asked"].astype(np.uint64), mask=~sysc),
+            "cache": pa.DictionaryArray.from_arrays(
+                pa.array(path_idx, mask=~sysc), pa.array(labels or [""], pa.string()))
+            .cast(pa.string()),
         }
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO], schema=schema.IO)
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvprof import caches
+
 SEEDED_IDS = 1 << 40  # KVPROF_SEEDED_IDS in probes/syscall.bpf.c
 PATH_MAX = 240  # KVPROF_PATH_MAX
 O_DIRECT = getattr(os, "O_DIRECT", 0o40000)
@@ -36,13 +38,16 @@ class OpenFile:
     tgid: int
     fd: int
     direct: bool
+    cache: str  # kvprof/caches.py's label
 
 
 class FileTable:
     """id -> OpenFile for the files the probes follow; used by capture's drain thread."""
 
-    def __init__(self, forget: Callable[[int, int, int], None], proc: Path = Path("/proc")):
+    def __init__(self, forget: Callable[[int, int, int], None],
+                 rules: tuple[caches.Rule, ...] = caches.BUILTIN, proc: Path = Path("/proc")):
         self._forget = forget  # takes (tgid, fd) out of the kernel's map if it still has id
+        self._rules = rules
         self._proc = proc
         self.files: dict[int, OpenFile] = {}
         self.not_regular: set[int] = set()
@@ -56,7 +61,8 @@ class FileTable:
                 self.not_regular.add(fid)
                 self._forget(tgid, fd, fid)
                 continue
-            self.files[fid] = OpenFile(path, tgid, fd, bool(flags & O_DIRECT))
+            self.files[fid] = OpenFile(path, tgid, fd, bool(flags & O_DIRECT),
+                                       caches.label(path, self._rules))
 
     def _absolute(self, path: str, tgid: int, fd: int) -> str:
         if path.startswith("/"):
@@ -101,16 +107,18 @@ class FileTable:
                 except (OSError, ValueError):
                     continue
                 next_id += 1
-                self.files[next_id] = OpenFile(path, tgid, fd, direct)
+                self.files[next_id] = OpenFile(path, tgid, fd, direct,
+                                               caches.label(path, self._rules))
                 out.append((next_id, tgid, fd, direct))
         return out
 
-    def paths(self, ids: np.ndarray) -> tuple[list[str | None], np.ndarray]:
-        """Paths of the unique ids (None when unknown) and which ids are not regular files."""
-        names = [f.path if (f := self.files.get(int(i))) is not None else None
-                 for i in ids.tolist()]
+    def paths(self, ids: np.ndarray) -> tuple[list[str | None], list[str | None], np.ndarray]:
+        """Paths and cache labels of the unique ids (None when unknown), and which ids are
+        not regular files."""
+        found = [self.files.get(int(i)) for i in ids.tolist()]
         dropped = np.array([int(i) in self.not_regular for i in ids.tolist()], bool)
-        return names, dropped
+        return ([f.path if f else None for f in found], [f.cache if f else None for f in found],
+                dropped)
 
 
 def _fdinfo_flags(path: Path) -> int:
