@@ -117,7 +117,8 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
 
     # The whole session also counts rows issued outside its bounds.
     whole = t0 == info.start_ns and t1 == info.end_ns
-    got = rows.per_phase(Pieces(ws, we, wp, t0, t1, info.start_ns, whole), view)
+    pieces = Pieces(ws, we, wp, t0, t1, info.start_ns, whole)
+    got = rows.per_phase(pieces, view)
     for p, layer, op, ios, nbytes, lat, queue, dev, sizes, lats in got.stats:
         entry = phases[p][layer].setdefault(op, _op_entry(0, 0, phases[p]["time_s"]))
         entry.update(_op_entry(nbytes or 0, ios, phases[p]["time_s"]))
@@ -128,7 +129,10 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
 
     _idle(phases, ws, we, wp, [d["name"] for d in info.devices] or got.devices,
           got.islands_of)
-    _caches(phases, rows.per_cache(Pieces(ws, we, wp, t0, t1, info.start_ns, whole), view))
+    # The per-cache query only where the view has file syscalls at all (most sessions and
+    # views have none, and the dashboard asks every frame).
+    files = any(layer == "syscall" and op in MAIN_OPS for _, layer, op, *_ in got.stats)
+    _caches(phases, rows.per_cache(pieces, view) if files else [])
     lost = {k: int(v) for k, v in info.lost.items()}
     return {
         "session": {
@@ -171,13 +175,20 @@ def _caches(phases: dict, rows: list[tuple]) -> None:
             if not direct:
                 e["buffered_device_bytes"] = e.get("buffered_device_bytes", 0) + int(dev)
     for p in schema.PHASES:
+        app = dev = 0  # buffered reads of every cache
         for c in phases[p]["caches"].values():
             rd = c["read"]
             buffered = rd["bytes"] - rd["direct_bytes"]
-            dev = rd.pop("buffered_device_bytes", 0)
             rd.setdefault("device_bytes", 0)
-            rd["page_cache_hit_pct"] = (100.0 * max(0.0, 1 - dev / buffered)
-                                        if buffered > 0 else None)
+            rd["page_cache_hit_pct"] = _hit_pct(buffered, rd.get("buffered_device_bytes", 0))
+            app += buffered
+            dev += rd.pop("buffered_device_bytes", 0)
+        phases[p]["syscall"]["page_cache_hit_pct"] = _hit_pct(app, dev)
+
+
+def _hit_pct(app_bytes: int, device_bytes: int) -> float | None:
+    """Share of buffered read bytes the page cache served, or None without any."""
+    return 100.0 * max(0.0, 1 - device_bytes / app_bytes) if app_bytes > 0 else None
 
 
 def _idle(phases: dict, ws, we, wp, devices: list[str], islands_of: IslandsOf) -> None:

@@ -86,9 +86,9 @@ class IoCache:
         self._next_rowid = 0
         self._cols = {k: np.empty(1024, t) for k, t in _DTYPES.items()}
         self._a = self._n = 0  # live rows are [_a, _n) of every column
-        # Per layer, bytes of that layer's rows before each row (one more entry than rows):
-        # any span's bytes by two lookups, so the timeline needs no pass over its rows.
-        self._cum = {lay: np.zeros(1025, np.int64) for lay in range(len(schema.LAYERS))}
+        # Per device layer, bytes of that layer's rows before each row (one more entry than
+        # rows): any span's bytes by two lookups, so the timeline needs no pass over its rows.
+        self._cum = {lay: np.zeros(1025, np.int64) for lay in range(len(schema.DEVICE_LAYERS))}
         # Busy islands of the block rows (key None) and of each device's (key: its code),
         # kept current as rows arrive: idle time needs no pass over the window.
         self._islands: dict[int | None, tuple[np.ndarray, np.ndarray]] = {}
@@ -122,13 +122,13 @@ class IoCache:
         top = pc.max(tbl.column(8)).as_py()
         self._next_rowid = top + 1
         new = self._columns(tbl)
-        unnamed = [t for t in self.tgids if t not in self.comm]
-        if unnamed:  # a process's name, read once: the first time it does I/O
-            for tgid, comm in cur.execute(
-                    f"SELECT coalesce(tgid, 0), any_value(comm) FROM io WHERE rowid >= {wm} "
-                    f"AND rowid <= {top} AND coalesce(tgid, 0) IN "
-                    f"({', '.join(map(str, unnamed))}) GROUP BY 1").fetchall():
-                self.comm[int(tgid)] = comm or ""
+        # A process's name: the least of its threads' names (they differ: thread pools name
+        # their threads), as the SQL path picks it, so both show the same one.
+        for tgid, comm in cur.execute(
+                f"SELECT coalesce(tgid, 0), min(comm) FROM io WHERE rowid >= {wm} "
+                f"AND rowid <= {top} GROUP BY 1").fetchall():
+            old = self.comm.get(int(tgid))
+            self.comm[int(tgid)] = min(old, comm or "") if old is not None else comm or ""
         self._merge(new)
         self._trim()
         return len(new["issue"])
@@ -255,7 +255,8 @@ class IoCache:
     def layer_bytes(self, edges: np.ndarray) -> np.ndarray:
         """(layer, bin) bytes of the rows issued between consecutive edges."""
         at = self._a + np.searchsorted(self.col("issue"), edges, side="left")
-        return np.vstack([np.diff(self._cum[lay][at]) for lay in range(len(schema.LAYERS))])
+        return np.vstack([np.diff(self._cum[lay][at])
+                          for lay in range(len(schema.DEVICE_LAYERS))])
 
     def device_code(self, name: str) -> int:
         """The device's code in the dev column; one no row has when it never did I/O."""

@@ -81,7 +81,7 @@ class PerPhase:
 class OverTime:
     cell_bytes: dict[tuple[str, str, str], np.ndarray]  # bytes per grid second from t0's
     layers_seen: np.ndarray  # (layer,) bool: rows of that layer in the timeline's span
-    bin_bytes: np.ndarray    # (layer, bin) bytes issued in each timeline bin
+    bin_bytes: np.ndarray    # (device layer, bin) bytes issued in each timeline bin
     recent: int              # rows issued in the last second before t1
     devices: list[str]       # every device of the window's rows, whatever the filter
     processes: tuple[tuple[int, str], ...]  # the window's busiest (tgid, comm), whatever the filter
@@ -286,14 +286,14 @@ class SqlRows(RowSource):
 
         lo, bin_ns, nbins = int(edges[0]), int(edges[1] - edges[0]), len(edges) - 1
         seen = np.zeros(len(schema.LAYERS), bool)
-        bins = np.zeros((len(schema.LAYERS), nbins), np.int64)
+        bins = np.zeros((len(schema.DEVICE_LAYERS), nbins), np.int64)
         for layer, b, nbytes in self.cur.execute(f"""
                 SELECT layer, (issue_ns - ?) // ?, sum(bytes)::UBIGINT FROM io
                 WHERE {_and("issue_ns >= ? AND issue_ns < ?", cond)} GROUP BY ALL""",
                                                  [lo, bin_ns, lo, t1, *params]).fetchall():
             if layer in schema.LAYERS:
                 seen[schema.LAYERS.index(layer)] = True
-                if 0 <= b < nbins:
+                if layer in schema.DEVICE_LAYERS and 0 <= b < nbins:
                     bins[schema.LAYERS.index(layer), int(b)] += int(nbytes or 0)
 
         recent = self.cur.execute(
@@ -304,7 +304,7 @@ class SqlRows(RowSource):
             "SELECT DISTINCT dev_name FROM io WHERE issue_ns >= ? AND issue_ns < ? "
             "AND dev_name <> '' ORDER BY 1", [t0, t1]).fetchall()]
         procs = tuple((int(t), str(c)) for t, c, _ in self.cur.execute("""
-            SELECT tgid, any_value(comm), count(*) FROM io
+            SELECT tgid, min(comm), count(*) FROM io
             WHERE issue_ns >= ? AND issue_ns < ? GROUP BY tgid ORDER BY 3 DESC, 1
             LIMIT 10""", [t0, t1]).fetchall())
         return OverTime(cells, seen, bins, int(recent), devices, procs)
@@ -401,7 +401,8 @@ class LiveRows(RowSource):
             r = cache.rows(int(cut[0]), t1, view.device, view.tgid)
             at = np.searchsorted(r.issue, cut, side="left")
             bins = np.vstack([np.diff(np.concatenate([[0], np.cumsum(
-                np.where(r.layer == lay, r.bytes, 0))])[at]) for lay in range(len(schema.LAYERS))])
+                np.where(r.layer == lay, r.bytes, 0))])[at])
+                for lay in range(len(schema.DEVICE_LAYERS))])
         recent = len(cache.rows(t1 - NS, t1, view.device, view.tgid))
         plain = units if view == ViewFilter() else self.live.units(
             pieces.start, pieces.end, pieces.phase, origin, cuts=(t0,))

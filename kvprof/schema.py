@@ -17,6 +17,7 @@ LAYERS = (LAYER_BLOCK, LAYER_IO_URING, LAYER_SYSCALL)
 # The layers a device sees once each byte: the others repeat (io_uring) or precede (syscall)
 # block requests.
 DEVICE_LAYERS = (LAYER_BLOCK, LAYER_IO_URING)
+assert LAYERS[:len(DEVICE_LAYERS)] == DEVICE_LAYERS, "layer codes index both"
 
 # Operation codes shared with probes/kvprof.h (KVPROF_OP_*). Index = code.
 OPS = ("other", "read", "write", "flush", "discard")

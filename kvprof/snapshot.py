@@ -49,6 +49,11 @@ class PhaseStats:
     latency_hist_us: tuple[tuple[int, int], ...]  # (log2 bucket lower bound, count)
     size_hist: tuple[tuple[int, int], ...]
     idle_pct: float | None
+    # What the application asked of its files (the syscall layer), mean bytes/s, and the
+    # share of its buffered reads the page cache served; 0 / None without that layer.
+    app_read: float = 0.0
+    app_write: float = 0.0
+    page_cache_hit_pct: float | None = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +134,10 @@ def _phase_stats(p: str, ph: dict, rates: dict) -> PhaseStats:
         p50_us=main["latency_us"]["p50"], p99_us=main["latency_us"]["p99"],
         latency_hist_us=_hist(_merge_hists(rd["latency_hist_us"], wr["latency_hist_us"])),
         size_hist=_hist(_merge_hists(rd["size_hist"], wr["size_hist"])),
-        idle_pct=ph["block"]["time_idle_pct"] if layer == "block" else None)
+        idle_pct=ph["block"]["time_idle_pct"] if layer == "block" else None,
+        app_read=ph["syscall"]["read"]["bandwidth_bytes_per_s"],
+        app_write=ph["syscall"]["write"]["bandwidth_bytes_per_s"],
+        page_cache_hit_pct=ph["syscall"].get("page_cache_hit_pct"))
 
 
 def build_snapshot(rows: RowSource, window_s: float | None, now_ns: int,

@@ -125,7 +125,9 @@ class Session:
             "bytes_asked": pa.nulls(n, pa.uint64()),
             "cache": pa.nulls(n, pa.string()),
         }, schema=schema.IO)
-        self.io = self.io.take(np.argsort(issue + dev_ns, kind="stable"))
+        self.io = pa.concat_tables([self.io, self._file_syscalls(seconds, rate // 8, seed)])
+        # Stored in completion order, as the recorder stores them.
+        self.io = self.io.take(np.argsort(self.io["complete_ns"].to_numpy(), kind="stable"))
         windows = []
         t = self.start
         while t < self.start + seconds * NS:  # hook marks: prefill, decode, a gap
@@ -145,6 +147,32 @@ class Session:
             "clock_offset_ns": 0, "devices": "[]", "config": "{}", "lost": "{}",
             "sources": "[]", "status": "recording"}], schema=schema.SESSION))
         self.con.execute("INSERT INTO session SELECT * FROM _s")
+
+    def _file_syscalls(self, seconds: int, rate: int, seed: int) -> pa.Table:
+        """An engine's own file I/O beside: buffered and O_DIRECT chunk-file calls of two
+        KV caches, a few fsyncs (their own random stream: the block rows stay as they were)."""
+        rng = np.random.default_rng(seed + 1)
+        n = seconds * rate
+        issue = self.start + np.sort(rng.integers(0, seconds * NS, n))
+        op = rng.choice(["read", "write", "flush"], n, p=[0.6, 0.35, 0.05])
+        nbytes = np.where(op == "flush", 0, rng.choice([4096, 65536, 1 << 20], n))
+        cache = rng.choice(["lmcache-disk", "vllm-fs-tier"], n)
+        return pa.table({
+            "layer": np.full(n, "syscall"), "op": op,
+            "flags": np.where(cache == "vllm-fs-tier", schema.FLAG_DIRECT, 0).astype(np.uint16),
+            "insert_ns": np.zeros(n, np.int64), "issue_ns": issue,
+            "complete_ns": issue + rng.lognormal(9, 1.5, n).astype(np.int64),
+            "dev_major": pa.nulls(n, pa.uint32()), "dev_minor": pa.nulls(n, pa.uint32()),
+            "dev_name": pa.nulls(n, pa.string()), "sector": pa.nulls(n, pa.uint64()),
+            "bytes": nbytes.astype(np.uint64), "pid": np.full(n, 2, np.uint32),
+            "tgid": rng.choice([10, 20], n).astype(np.uint32), "comm": np.full(n, "kv_io"),
+            "cgroup_id": np.zeros(n, np.uint64), "error": np.zeros(n, np.int32),
+            "uring_opcode": pa.nulls(n, pa.uint8()), "uring_ctx": pa.nulls(n, pa.uint64()),
+            "syscall": np.where(op == "flush", "fsync", np.where(op == "read", "pread64",
+                                                                  "pwrite64")),
+            "path": np.char.add("/kv/", cache), "bytes_asked": nbytes.astype(np.uint64),
+            "cache": cache,
+        }, schema=schema.IO)
 
     def flush_until(self, now: int) -> None:
         done = int(np.searchsorted(np.asarray(self.io["complete_ns"]), now, side="right"))

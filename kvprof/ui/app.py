@@ -168,6 +168,11 @@ class PhasePanel(SnapshotView):
             t.append(f"{label} {short_rate(r.now):>4} {short_rate(r.mean):>4} "
                      f"{short_rate(r.peak):>4}\n")
         t.append(f"IOPS {p.iops:,.0f}" + (" uring" if p.layer != "block" else "") + "\n")
+        if (p.app_read or p.app_write) and self.size.height >= 10:
+            # The application's own file calls: page-cache hits and buffered writes included.
+            # Only where it fits: the device's numbers below come first.
+            hit = "" if p.page_cache_hit_pct is None else f" {p.page_cache_hit_pct:.0f}%"
+            t.append(f"app {short_rate(p.app_read):>4} {short_rate(p.app_write):>4}{hit}\n")
         t.append(f"p50/99 {human_us(p.p50_us)} {human_us(p.p99_us)}\n")
         t.append("lat  ", style="dim")
         t.append(spark(p.latency_hist_us, w) + "\n", style=PHASE_COLOURS[self.phase])
