@@ -5,7 +5,7 @@
  * say which phase asked for what.
  *
  * Only files in file_map are traced: an openat of the traced process puts (tgid, fd) there
- * (not for paths under /dev, /proc or /sys), user space seeds it with the regular files open
+ * (not for paths under /dev, but /dev/shm, /proc or /sys), user space seeds it with the regular files open
  * when it attached and takes out what turns out not to be a regular file, close takes the
  * entry out. Sockets, pipes and ttys never get an entry, so they cost one lookup per call and
  * produce nothing. Each open gets a file id; rows carry it (kvprof_io.ctx), and the open
@@ -219,9 +219,12 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat)
         return 0;
     }
     bpf_probe_read_user_str(rec->path, sizeof(rec->path), filename);
-    /* Device nodes, ttys and kernel interfaces are not storage the engine offloads to. */
+    /* Device nodes, ttys and kernel interfaces are not storage the engine offloads to
+     * (files in /dev/shm are: a tmpfs). */
     if (rec->path[0] == '/' && ((rec->path[1] == 'd' && rec->path[2] == 'e' &&
-                                 rec->path[3] == 'v' && rec->path[4] == '/') ||
+                                 rec->path[3] == 'v' && rec->path[4] == '/' &&
+                                 !(rec->path[5] == 's' && rec->path[6] == 'h' &&
+                                   rec->path[7] == 'm' && rec->path[8] == '/')) ||
                                 (rec->path[1] == 'p' && rec->path[2] == 'r' &&
                                  rec->path[3] == 'o' && rec->path[4] == 'c' &&
                                  rec->path[5] == '/') ||

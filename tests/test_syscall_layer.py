@@ -121,3 +121,51 @@ def test_backend_file_io_per_phase_equals_what_the_backends_did(loopdev, start_r
     if report["session"]["lost_events"] == 0:
         assert blk["write"][1] == d[WRITE_SECTORS] * 512
         assert blk["read"][1] == d[READ_SECTORS] * 512
+
+
+BUSY = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+sys.stdin.readline()
+n, end = 0, time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    for _ in range(1000):
+        os.pread(fd, 512, (n % 64) * 512)
+        n += 1
+os.close(fd)
+print(n)
+"""
+
+
+@live
+def test_a_busy_process_loses_nothing_it_does_not_count(start_recorder, tmp_path):
+    """Well over 50k file syscalls a second from one process (page-cache hits, the cheapest
+    calls there are): every one recorded, or each one missing counted as lost."""
+    data = tmp_path / "hot.bin"
+    data.write_bytes(os.urandom(64 * 512))
+    busy = subprocess.Popen([sys.executable, "-c", BUSY, str(data), "2.0"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        # The file is open before kvprof attaches: it is found in /proc.
+        rec = start_recorder("-p", str(busy.pid), "--layer", "syscall")
+        out, _ = busy.communicate("go\n", timeout=60)
+    finally:
+        busy.kill()
+    calls = int(out)
+    assert rec.stop() == 0, "".join(rec.stderr_lines)
+    report = rec.report()
+    rate = calls / 2.0
+    con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
+    try:
+        got, nbytes, paths = con.execute("""
+            SELECT count(*), sum(bytes), list(DISTINCT path) FROM io
+            WHERE layer = 'syscall' AND syscall = 'pread64'""").fetchall()[0]
+    finally:
+        con.close()
+    lost = report["session"]["lost_by_reason"]
+    print(f"busy process: {calls} pread64 calls ({rate:,.0f}/s), kvprof recorded {got}, "
+          f"lost {report['session']['lost_events']} {lost}")
+    assert rate >= 50_000
+    assert paths == [str(data)]
+    assert_kernel_count(got, calls, report)
+    assert nbytes == got * 512

@@ -28,7 +28,8 @@ O_DIRECT = getattr(os, "O_DIRECT", 0o40000)
 OPEN_DTYPE = np.dtype([("ts_ns", "<u8"), ("id", "<u8"), ("tgid", "<u4"), ("fd", "<i4"),
                        ("flags", "<u4"), ("pad", "<u4"), ("path", f"S{PATH_MAX}")])
 # Kernel interfaces and devices are not storage an engine offloads to (the probe skips them
-# too, for the paths it sees; this catches them behind relative paths or links).
+# too, for the paths it sees; this catches them behind relative paths or links). Files in
+# /dev/shm (a tmpfs) are kept.
 _SKIP_PREFIXES = ("/dev/", "/proc/", "/sys/")
 
 
@@ -79,7 +80,7 @@ class FileTable:
 
     @staticmethod
     def _regular(path: str) -> bool:
-        if path.startswith(_SKIP_PREFIXES):
+        if path.startswith(_SKIP_PREFIXES) and not path.startswith("/dev/shm/"):
             return False
         try:
             return stat.S_ISREG(os.stat(path).st_mode)
