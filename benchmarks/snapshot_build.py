@@ -69,6 +69,7 @@ class Synth:
             "path": pa.nulls(n, pa.string()),
             "bytes_asked": pa.nulls(n, pa.uint64()),
             "cache": pa.nulls(n, pa.string()),
+            "inode": pa.nulls(n, pa.uint64()),
         }, schema=schema.IO)
         tbl = tbl.take(np.argsort(issue + lat, kind="stable"))
         done = np.asarray(tbl["complete_ns"]) < t_to

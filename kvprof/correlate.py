@@ -133,6 +133,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
     # views have none, and the dashboard asks every frame).
     files = any(layer == "syscall" and op in MAIN_OPS for _, layer, op, *_ in got.stats)
     _caches(phases, rows.per_cache(pieces, view) if files else [])
+    unattributed = _writeback(phases, rows.writeback(pieces, view) if files else [])
     lost = {k: int(v) for k, v in info.lost.items()}
     return {
         "session": {
@@ -149,6 +150,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             "phase_sources": ["marks", *(s["source"] for s in info.sources)],
             "source_problems": {s["source"]: s["problems"] for s in info.sources
                                 if s["problems"]},
+            "writeback_unattributed": unattributed,
         },
         "phases": phases,
     }
@@ -184,6 +186,26 @@ def _caches(phases: dict, rows: list[tuple]) -> None:
             app += buffered
             dev += rd.pop("buffered_device_bytes", 0)
         phases[p]["syscall"]["page_cache_hit_pct"] = _hit_pct(app, dev)
+
+
+def _writeback(phases: dict, rows: list[tuple]) -> dict:
+    """Flush-thread writes of the buffered files, under the phase (and cache) whose writes
+    dirtied them: phases.<p>.writeback; what no traced write explains is returned."""
+    for p in schema.PHASES:
+        phases[p]["writeback"] = {"ios": 0, "bytes": 0, "caches": {}}
+    lost = {"ios": 0, "bytes": 0}
+    for p, cache, ios, nbytes in rows:
+        if p is None:
+            lost["ios"] += int(ios)
+            lost["bytes"] += int(nbytes)
+            continue
+        wb = phases[p]["writeback"]
+        wb["ios"] += int(ios)
+        wb["bytes"] += int(nbytes)
+        c = wb["caches"].setdefault(cache, {"ios": 0, "bytes": 0})
+        c["ios"] += int(ios)
+        c["bytes"] += int(nbytes)
+    return lost
 
 
 def _hit_pct(app_bytes: int, device_bytes: int) -> float | None:

@@ -214,7 +214,8 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
 def _drain(store: Store, capture, feeds: tuple, closed: bool = False) -> int:
     """Move what capture and the phase sources collected into the store; return the time
     the open windows were cut at. `closed`: the sources have stopped, no window is open."""
-    store.append("io", capture.take())
+    for table, rows in capture.take().items():
+        store.append(table, rows)
     for src in feeds:
         for table, rows in src.take().items():
             store.append(table, rows)

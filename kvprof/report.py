@@ -64,6 +64,12 @@ def to_text(summary: dict, name: str = "") -> str:
         if devs:
             idle = "  ".join(f"{d} {_pct(v['time_idle_pct'])}" for d, v in devs.items())
             lines.append(f"  block time idle: {idle}"[:WIDTH])
+        wb = ph.get("writeback")
+        if wb and wb["bytes"]:
+            by = "  ".join(f"{c} {human_bytes(v['bytes'])}" for c, v in sorted(
+                wb["caches"].items()))
+            lines.append(f"  writeback of this phase's buffered writes: "
+                         f"{human_bytes(wb['bytes'])} ({by})"[:WIDTH])
         if ph.get("caches"):
             lines.append(f"  {'KV cache (syscalls)':<20}{'read':>10}{'MiB/s':>8}{'hit':>8}"
                          f"{'write':>11}{'MiB/s':>8}{'direct':>8}")
@@ -81,6 +87,10 @@ def to_text(summary: dict, name: str = "") -> str:
     for src, problems in s["source_problems"].items():
         lines.insert(4, f"  {src}: " + ", ".join(f"{k.split('.', 1)[-1]} {v}"
                                                 for k, v in problems.items()))
+    left = s.get("writeback_unattributed") or {}
+    if left.get("bytes"):
+        lines += ["", f"writeback no traced write explains: {human_bytes(left['bytes'])} "
+                      f"in {left['ios']} bios"]
     if s["lost_events"]:
         lines += ["", "lost: " + ", ".join(f"{k} {v}" for k, v in s["lost_by_reason"].items()
                                             if v)]

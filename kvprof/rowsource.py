@@ -105,6 +105,12 @@ class RowSource:
         page cache did not hold; readahead included)."""
         raise NotImplementedError
 
+    def writeback(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+        """The bios flush threads wrote back (the writeback table), each with the phase and
+        cache of the last buffered syscall write to its inode before it: per (phase, cache)
+        bios and bytes; phase and cache are None for writeback no traced write explains."""
+        raise NotImplementedError
+
     def over_time(self, pieces: Pieces, view: ViewFilter, c0: int, ncells: int,
                   edges: np.ndarray) -> OverTime:
         """`c0`, `ncells`: the grid seconds from the one holding t0; `edges`: the timeline's
@@ -235,6 +241,30 @@ class SqlRows(RowSource):
             FROM s LEFT JOIN dev ON dev.pid = s.pid AND dev.issue_ns = s.issue_ns
             GROUP BY ALL ORDER BY ALL""", params)
 
+    def writeback(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+        if "inode" not in self._io_columns():
+            return []  # recorded before writeback attribution
+        # The flush threads are nobody's process: only a device view narrows them.
+        cond, params = _where(ViewFilter(device=view.device))
+        if not pieces.whole:
+            cond = _and("ts_ns >= ? AND ts_ns < ?", cond)
+            params = [int(pieces.t0), int(pieces.t1), *params]
+        # "By file and time": the page a flush thread writes was dirtied by some earlier
+        # buffered write to the file; the latest one before the writeback names the phase.
+        return self._joined(pieces, f"""
+            WITH w AS (
+                SELECT io.inode, io.issue_ns, coalesce(io.cache, 'other') AS cache,
+                       k.w_phase AS phase
+                FROM (SELECT inode, issue_ns, cache FROM io
+                      WHERE layer = 'syscall' AND op = 'write' AND inode IS NOT NULL
+                        AND (flags & {schema.FLAG_DIRECT}) = 0) io
+                ASOF JOIN _kv_windows k ON io.issue_ns >= k.w_start),
+            wb AS (SELECT inode, ts_ns AS issue_ns, bytes FROM writeback
+                   {"WHERE " + cond if cond else ""})
+            SELECT w.phase, w.cache, count(*), sum(wb.bytes)::UBIGINT
+            FROM wb ASOF LEFT JOIN w ON wb.inode = w.inode AND wb.issue_ns >= w.issue_ns
+            GROUP BY ALL ORDER BY ALL""", params)
+
     def _io_columns(self) -> set[str]:
         return {r[0] for r in self.cur.execute(
             "SELECT column_name FROM information_schema.columns WHERE table_name = 'io'"
@@ -349,6 +379,9 @@ class LiveRows(RowSource):
     def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         # The row cache keeps no paths: syscall rows are few beside block rows, SQL it is.
         return self.sql.per_cache(pieces, view)
+
+    def writeback(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+        return self.sql.writeback(pieces, view)
 
     def interrupt(self) -> None:
         self.sql.interrupt()

@@ -30,6 +30,8 @@ FLAG_META = 1 << 3
 FLAG_RAHEAD = 1 << 4
 # syscall layer: the file was opened with O_DIRECT (no page cache).
 FLAG_DIRECT = 1 << 5
+# block layer: a flush thread's write of an inode's dirty pages (the io row's inode).
+FLAG_WRITEBACK = 1 << 6
 
 # Syscall codes shared with probes/syscall.bpf.c (SYS_*). Index = code.
 SYSCALLS = ("read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64", "writev",
@@ -73,6 +75,9 @@ IO = pa.schema(
         ("bytes_asked", pa.uint64()),
         # syscall layer: the KV cache the file belongs to (kvprof/caches.py), by its path.
         ("cache", pa.string()),
+        # syscall: the file's inode; block: set on a write a flush thread issued while
+        # writing back that inode (flags FLAG_WRITEBACK), so it can be traced to its writer.
+        ("inode", pa.uint64()),
     ]
 )
 
@@ -135,6 +140,23 @@ GPU = pa.schema(
     ]
 )
 
+# Bios flush threads submitted while writing back an inode (the syscall layer with the
+# block layer): how the device's writeback splits by file, since one block request can
+# carry several files' pages.
+WRITEBACK = pa.schema(
+    [
+        ("ts_ns", pa.int64()),
+        ("dev_major", pa.uint32()),
+        ("dev_minor", pa.uint32()),
+        ("dev_name", pa.string()),
+        ("sector", pa.uint64()),
+        ("bytes", pa.uint64()),
+        ("inode", pa.uint64()),
+        ("pid", pa.uint32()),
+        ("comm", pa.string()),
+    ]
+)
+
 # Engine KV-cache events (vLLM/SGLang ZMQ KV events): what the engine says it stored or removed.
 KV_EVENT = pa.schema(
     [
@@ -169,7 +191,7 @@ CORE_TABLES = ("io", "phase", "session")
 PHASE_OPEN = PHASE
 
 TABLES = {"io": IO, "phase": PHASE, "session": SESSION, "gpu": GPU, "kv_event": KV_EVENT,
-          "engine_metric": ENGINE_METRIC, "phase_open": PHASE_OPEN}
+          "engine_metric": ENGINE_METRIC, "phase_open": PHASE_OPEN, "writeback": WRITEBACK}
 
 _DUCK = {
     pa.string(): "VARCHAR",

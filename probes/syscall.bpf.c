@@ -257,6 +257,57 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat)
     return 0;
 }
 
+#ifdef KVPROF_WRITEBACK
+/* Buffered writes reach the device later, from flush threads: a bio submitted while a
+ * thread writes back an inode is that inode's, so the block request it starts names it. */
+TRACEPOINT_PROBE(writeback, writeback_single_inode_start)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 ino = args->ino;
+    wb_inode_map.update(&tid, &ino);
+    return 0;
+}
+
+TRACEPOINT_PROBE(writeback, writeback_single_inode)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    wb_inode_map.delete(&tid);
+    return 0;
+}
+
+TRACEPOINT_PROBE(block, block_bio_queue)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 *ino = wb_inode_map.lookup(&tid);
+    if (!ino)
+        return 0;
+    struct bio_key bk = {};
+    bk.dev = args->dev;
+    bk.sector = args->sector;
+    u64 v = *ino;
+    bio_inode_map.update(&bk, &v);
+    /* Requests merge bios of several inodes (files allocated side by side are written back
+     * in one request), so each bio is recorded with its inode: the split is by bio. */
+    if (!kvprof_dev_allowed(args->dev))
+        return 0;
+    struct kvprof_io e = {};
+    e.issue_ns = bpf_ktime_get_ns();
+    e.complete_ns = e.issue_ns;
+    e.sector = args->sector;
+    e.bytes = args->nr_sector << 9;
+    e.dev = args->dev;
+    e.ctx = v;
+    u64 id = bpf_get_current_pid_tgid();
+    e.pid = (u32)id;
+    e.tgid = id >> 32;
+    e.op = KVPROF_OP_WRITE;
+    e.layer = KVPROF_LAYER_WRITEBACK;
+    bpf_get_current_comm(&e.comm, sizeof(e.comm));
+    kvprof_emit(&e);
+    return 0;
+}
+#endif
+
 TRACEPOINT_PROBE(syscalls, sys_enter_close)
 {
     struct file_key k = {};

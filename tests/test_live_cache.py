@@ -124,6 +124,7 @@ class Session:
             "path": pa.nulls(n, pa.string()),
             "bytes_asked": pa.nulls(n, pa.uint64()),
             "cache": pa.nulls(n, pa.string()),
+            "inode": pa.nulls(n, pa.uint64()),
         }, schema=schema.IO)
         self.io = pa.concat_tables([self.io, self._file_syscalls(seconds, rate // 8, seed)])
         # Stored in completion order, as the recorder stores them.
@@ -172,6 +173,7 @@ class Session:
                                                                   "pwrite64")),
             "path": np.char.add("/kv/", cache), "bytes_asked": nbytes.astype(np.uint64),
             "cache": cache,
+            "inode": np.where(cache == "vllm-fs-tier", 12, 13).astype(np.uint64),
         }, schema=schema.IO)
 
     def flush_until(self, now: int) -> None:

@@ -106,6 +106,16 @@ def test_backend_file_io_per_phase_equals_what_the_backends_did(loopdev, start_r
     assert hic["device_bytes"] == hic["bytes"] and hic["page_cache_hit_pct"] == 0.0
     assert tier["device_bytes"] == tier["bytes"] and tier["page_cache_hit_pct"] is None
 
+    # Buffered writes reached the device from flush threads: traced back to the phase and
+    # cache whose writes dirtied the pages, every page once.
+    wb = report["phases"]["prefill"]["writeback"]["caches"]
+    print(f"writeback: {wb}; unattributed {report['session']['writeback_unattributed']}")
+    for cache in ("lmcache-disk", "sglang-hicache"):
+        assert wb[cache]["bytes"] == did["prefill"][cache]["write"][1], (cache, wb)
+    assert "vllm-fs-tier" not in wb  # O_DIRECT: no page cache, no writeback
+    # Nothing else on this file system was written back: no bio is left unexplained.
+    assert report["session"]["writeback_unattributed"] == {"ios": 0, "bytes": 0}
+
     # The device layer is as exact as before: every block request the kernel counted from
     # s0 on (the writeback of the buffered chunks included), no more.
     d = stat_delta(s0, s1)

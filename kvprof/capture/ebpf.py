@@ -57,6 +57,7 @@ START_MAPS = {"block": ("block_start_map", "block_completion_not_seen"),
 LAYER_BLOCK = schema.LAYERS.index(schema.LAYER_BLOCK)
 LAYER_URING = schema.LAYERS.index(schema.LAYER_IO_URING)
 LAYER_SYSCALL = schema.LAYERS.index(schema.LAYER_SYSCALL)
+LAYER_WRITEBACK = 3  # KVPROF_LAYER_WRITEBACK: writeback bios, not io rows
 DRAIN_INTERVAL_S = 0.02
 # 16 MiB: about 170 k events, most of a second at 250 k events/s, so a pause of the Python
 # side (a store flush holding the GIL) does not overflow the ring.
@@ -94,6 +95,8 @@ def build_program(layers: tuple[str, ...], filters: CaptureFilter,
     cflags = [f"-DKVPROF_RINGBUF_PAGES={int(ringbuf_pages)}"]
     if "syscall" in layers:
         cflags.append(f"-DKVPROF_SELF_TGID={os.getpid()}")
+        if "block" in layers:
+            cflags.append("-DKVPROF_WRITEBACK")
     if filters.devices:
         cflags.append("-DKVPROF_FILTER_DEV")
     if filters.tgids:
@@ -229,15 +232,40 @@ class Capture:
             out["syscall_not_regular_file"] = self._not_regular_rows
         return out
 
-    def take(self) -> pa.RecordBatch | None:
+    def take(self) -> dict[str, pa.RecordBatch]:
+        """The rows drained since the last call, by table (io, and writeback bios)."""
         batches = []
         while self._batches:
             batches.append(self._batches.popleft())
         if not batches:
-            return None
+            return {}
         ev = np.concatenate(batches)
+        bios = ev["layer"] == LAYER_WRITEBACK
+        out = {}
+        if bios.any():
+            out["writeback"] = self._writeback_batch(ev[bios])
+            ev = ev[~bios]
         self.events_total += len(ev)
-        return self.to_batch(ev)
+        if len(ev):
+            out["io"] = self.to_batch(ev)
+        return out
+
+    def _writeback_batch(self, ev: np.ndarray) -> pa.RecordBatch:
+        devs = ev["dev"]
+        uniq, inv = np.unique(devs, return_inverse=True)
+        cols = {
+            "ts_ns": pa.array(ev["issue_ns"].astype(np.int64)),
+            "dev_major": pa.array((devs >> 20).astype(np.uint32)),
+            "dev_minor": pa.array((devs & 0xFFFFF).astype(np.uint32)),
+            "dev_name": _labels(inv.reshape(-1), [self.device(int(u)).name for u in uniq]),
+            "sector": pa.array(ev["sector"]),
+            "bytes": pa.array(ev["bytes"].astype(np.uint64)),
+            "inode": pa.array(ev["ctx"]),
+            "pid": pa.array(ev["pid"]),
+            "comm": _comm(ev["comm"]),
+        }
+        return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.WRITEBACK],
+                                          schema=schema.WRITEBACK)
 
     def device(self, kernel_dev: int) -> Device:
         d = self._dev_names.get(kernel_dev)
@@ -257,7 +285,7 @@ class Capture:
         if sysc.any() and self.files is not None:
             # Rows of files found not to be regular files after all: dropped, and said so.
             ids, inv = np.unique(ev["ctx"][sysc], return_inverse=True)
-            paths, labels, dropped = self.files.paths(ids)
+            found, dropped = self.files.lookup(ids)
             bad = np.zeros(len(ev), bool)
             bad[np.flatnonzero(sysc)] = dropped[inv.reshape(-1)]
             if bad.any():
@@ -265,9 +293,9 @@ class Capture:
                 ev, layer = ev[~bad], layer[~bad]
                 sysc = layer == LAYER_SYSCALL
                 ids, inv = np.unique(ev["ctx"][sysc], return_inverse=True)
-                paths, labels, _ = self.files.paths(ids)
+                found, _ = self.files.lookup(ids)
         else:
-            paths, labels, inv = [], [], np.empty(0, np.int64)
+            found, inv = [], np.empty(0, np.int64)
         block = layer == LAYER_BLOCK
         uring = layer == LAYER_URING
         devs = ev["dev"]
@@ -275,6 +303,15 @@ class Capture:
         names = [self.device(int(u)).name if u else "" for u in uniq]
         path_idx = np.zeros(len(ev), np.int32)
         path_idx[sysc] = inv.reshape(-1)
+        files = pa.array(path_idx, mask=~sysc)
+
+        def per_file(attr: str, typ: pa.DataType) -> pa.Array:
+            values = pa.array([getattr(f, attr) if f else None for f in found] or [None], typ)
+            return pa.DictionaryArray.from_arrays(files, values).cast(typ)
+
+        writeback = block & (ev["flags"] & FLAG_WRITEBACK != 0)
+        inode = np.where(writeback, ev["ctx"], 0).astype(np.uint64)
+        file_inode = per_file("inode", pa.uint64())
         cols = {
             "layer": _labels(layer, schema.LAYERS),
             "op": _labels(np.minimum(ev["op"], len(schema.OPS) - 1), schema.OPS),
@@ -296,19 +333,20 @@ class Capture:
             "uring_ctx": pa.array(ev["ctx"], pa.uint64(), mask=~uring),
             "syscall": _labels(np.minimum(ev["opcode"], len(schema.SYSCALLS) - 1),
                                schema.SYSCALLS, mask=~sysc),
-            "path": pa.DictionaryArray.from_arrays(
-                pa.array(path_idx, mask=~sysc), pa.array(paths or [""], pa.string()))
-            .cast(pa.string()),
+            "path": per_file("path", pa.string()),
             "bytes_asked": pa.array(ev["asked"].astype(np.uint64), mask=~sysc),
-            "cache": pa.DictionaryArray.from_arrays(
-                pa.array(path_idx, mask=~sysc), pa.array(labels or [""], pa.string()))
-            .cast(pa.string()),
+            "cache": per_file("cache", pa.string()),
+            "inode": pa.array(np.where(sysc, file_inode.fill_null(0).to_numpy(
+                zero_copy_only=False), inode), pa.uint64(),
+                mask=~(writeback | (sysc & file_inode.is_valid().to_numpy(
+                    zero_copy_only=False)))),
         }
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO], schema=schema.IO)
 
 
 FLAG_FILTERED = 1 << 15  # KVPROF_FL_FILTERED: entries of tasks the filters leave out
 FLAG_DIRECT = schema.FLAG_DIRECT
+FLAG_WRITEBACK = schema.FLAG_WRITEBACK
 
 
 def _cgroup_id(tgid: int) -> int | None:

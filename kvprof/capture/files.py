@@ -40,6 +40,7 @@ class OpenFile:
     fd: int
     direct: bool
     cache: str  # kvprof/caches.py's label
+    inode: int | None  # None when the file was gone before it could be looked at
 
 
 class FileTable:
@@ -58,12 +59,13 @@ class FileTable:
         for r in recs.tolist():
             ts, fid, tgid, fd, flags, _, raw = r
             path = self._absolute(raw.split(b"\0", 1)[0].decode(errors="replace"), tgid, fd)
-            if not self._regular(path):
+            regular, inode = self._regular(path)
+            if not regular:
                 self.not_regular.add(fid)
                 self._forget(tgid, fd, fid)
                 continue
             self.files[fid] = OpenFile(path, tgid, fd, bool(flags & O_DIRECT),
-                                       caches.label(path, self._rules))
+                                       caches.label(path, self._rules), inode)
 
     def _absolute(self, path: str, tgid: int, fd: int) -> str:
         if path.startswith("/"):
@@ -79,13 +81,15 @@ class FileTable:
                 return path
 
     @staticmethod
-    def _regular(path: str) -> bool:
+    def _regular(path: str) -> tuple[bool, int | None]:
+        """Whether the path is a regular file, and its inode."""
         if path.startswith(_SKIP_PREFIXES) and not path.startswith("/dev/shm/"):
-            return False
+            return False, None
         try:
-            return stat.S_ISREG(os.stat(path).st_mode)
+            st = os.stat(path)
         except OSError:
-            return True  # gone already (unlinked chunk files are common): it was a file
+            return True, None  # gone already (unlinked chunk files are common): it was a file
+        return stat.S_ISREG(st.st_mode), st.st_ino
 
     def seed(self, tgids: Iterable[int]) -> list[tuple[int, int, int, bool]]:
         """The regular files the processes hold open now, as (id, tgid, fd, direct) for the
@@ -101,7 +105,8 @@ class FileTable:
             for fd in fds:
                 try:
                     path = os.readlink(fd_dir / str(fd))
-                    if not path.startswith("/") or not self._regular(path):
+                    regular, inode = self._regular(path)
+                    if not path.startswith("/") or not regular:
                         continue
                     direct = _fdinfo_flags(self._proc / str(tgid) / "fdinfo" / str(fd)) \
                         & O_DIRECT != 0
@@ -109,17 +114,16 @@ class FileTable:
                     continue
                 next_id += 1
                 self.files[next_id] = OpenFile(path, tgid, fd, direct,
-                                               caches.label(path, self._rules))
+                                               caches.label(path, self._rules), inode)
                 out.append((next_id, tgid, fd, direct))
         return out
 
-    def paths(self, ids: np.ndarray) -> tuple[list[str | None], list[str | None], np.ndarray]:
-        """Paths and cache labels of the unique ids (None when unknown), and which ids are
-        not regular files."""
+    def lookup(self, ids: np.ndarray) -> tuple[list[OpenFile | None], np.ndarray]:
+        """The files of the unique ids (None when unknown), and which ids are not regular
+        files."""
         found = [self.files.get(int(i)) for i in ids.tolist()]
         dropped = np.array([int(i) in self.not_regular for i in ids.tolist()], bool)
-        return ([f.path if f else None for f in found], [f.cache if f else None for f in found],
-                dropped)
+        return found, dropped
 
 
 def _fdinfo_flags(path: Path) -> int:
