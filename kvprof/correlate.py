@@ -151,6 +151,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             "source_problems": {s["source"]: s["problems"] for s in info.sources
                                 if s["problems"]},
             "writeback_unattributed": unattributed,
+            "processes": rows.processes(),
         },
         "phases": phases,
     }
@@ -304,8 +305,11 @@ def frame(rows: RowSource, window_s: float | None, now_ns: int,
 
     gpu, gpu_note = gpu_means(rows, t0, t1)
     devices = list(dict.fromkeys([d["name"] for d in info.devices] + got.devices))
+    # A process is shown as what it is in the serving stack where that is known.
+    named = {p["tgid"]: p["role"] for p in summary["session"]["processes"] if p["role"]}
+    processes = tuple((t, named.get(t, comm)) for t, comm in got.processes)
     return Frame(info, t0, t1, summary, rates, bin_ns, timeline, gpu, gpu_note, got.recent,
-                 devices, got.processes, len(windows))
+                 devices, processes, len(windows))
 
 
 def _phase_time(ws, we, wp, edges: np.ndarray) -> dict[str, np.ndarray]:

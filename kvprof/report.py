@@ -87,6 +87,9 @@ def to_text(summary: dict, name: str = "") -> str:
     for src, problems in s["source_problems"].items():
         lines.insert(4, f"  {src}: " + ", ".join(f"{k.split('.', 1)[-1]} {v}"
                                                 for k, v in problems.items()))
+    known = [f"{p['tgid']} {p['role']}" for p in s.get("processes", []) if p["role"]]
+    if known:
+        lines += ["", ("processes: " + ", ".join(known))[:WIDTH]]
     left = s.get("writeback_unattributed") or {}
     if left.get("bytes"):
         lines += ["", f"writeback no traced write explains: {human_bytes(left['bytes'])} "

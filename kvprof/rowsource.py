@@ -122,6 +122,10 @@ class RowSource:
         whole session) over samples in [t0, t1); None when the session has no gpu table."""
         raise NotImplementedError
 
+    def processes(self) -> list[dict]:
+        """The session's processes: tgid, comm, role (kvprof/roles.py) and command line."""
+        raise NotImplementedError
+
     def refresh(self) -> None:
         """Take in rows stored since the last call (a live cache); nothing for SQL."""
 
@@ -170,6 +174,13 @@ class SqlRows(RowSource):
 
     def windows(self, t0: int | None = None, t1: int | None = None) -> pa.Table:
         return phase_windows(self.cur, t0, t1)
+
+    def processes(self) -> list[dict]:
+        try:
+            return self.cur.sql("SELECT tgid, comm, role, cmdline FROM process ORDER BY tgid"
+                                ).to_arrow_table().to_pylist()
+        except duckdb.CatalogException:
+            return []  # recorded before process roles
 
     def row_count(self) -> int:
         return self.cur.execute("SELECT count(*) FROM io").fetchall()[0][0]
@@ -375,6 +386,9 @@ class LiveRows(RowSource):
 
     def gpu(self, t0: int, t1: int) -> tuple | None:
         return self.sql.gpu(t0, t1)
+
+    def processes(self) -> list[dict]:
+        return self.sql.processes()
 
     def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         # The row cache keeps no paths: syscall rows are few beside block rows, SQL it is.

@@ -157,6 +157,18 @@ WRITEBACK = pa.schema(
     ]
 )
 
+# The processes that did I/O: what they are in the serving stack (kvprof/roles.py), read
+# from /proc when each first did I/O.
+PROCESS = pa.schema(
+    [
+        ("tgid", pa.uint32()),
+        ("first_ns", pa.int64()),
+        ("comm", pa.string()),
+        ("cmdline", pa.string()),
+        ("role", pa.string()),  # NULL: not a known role
+    ]
+)
+
 # Engine KV-cache events (vLLM/SGLang ZMQ KV events): what the engine says it stored or removed.
 KV_EVENT = pa.schema(
     [
@@ -191,7 +203,8 @@ CORE_TABLES = ("io", "phase", "session")
 PHASE_OPEN = PHASE
 
 TABLES = {"io": IO, "phase": PHASE, "session": SESSION, "gpu": GPU, "kv_event": KV_EVENT,
-          "engine_metric": ENGINE_METRIC, "phase_open": PHASE_OPEN, "writeback": WRITEBACK}
+          "engine_metric": ENGINE_METRIC, "phase_open": PHASE_OPEN, "writeback": WRITEBACK,
+          "process": PROCESS}
 
 _DUCK = {
     pa.string(): "VARCHAR",

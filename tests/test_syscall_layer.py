@@ -44,9 +44,12 @@ def test_backend_file_io_per_phase_equals_what_the_backends_did(loopdev, start_r
         rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "syscall")
         s0 = settle(loopdev)  # attached, and nothing in flight: the kernel's count starts
         t0 = time.monotonic_ns()
-        work = subprocess.Popen([sys.executable, str(ROOT / "tests" / "kv_backends.py"),
-                                 str(mnt), rec.socket], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True)
+        # Named as vLLM names its engine core process (setproctitle rewrites the command
+        # line the same way); the marker client it imports needs only the repository.
+        work = subprocess.Popen(["VLLM::EngineCore_DP0", str(ROOT / "tests" / "kv_backends.py"),
+                                 str(mnt), rec.socket], executable=sys.executable,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
         out, _ = work.communicate("go\n", timeout=120)
         assert work.returncode == 0
         did = __import__("json").loads(out)
@@ -105,6 +108,10 @@ def test_backend_file_io_per_phase_equals_what_the_backends_did(loopdev, start_r
     assert lmc["device_bytes"] == lmc["bytes"] // 2 and lmc["page_cache_hit_pct"] == 50.0
     assert hic["device_bytes"] == hic["bytes"] and hic["page_cache_hit_pct"] == 0.0
     assert tier["device_bytes"] == tier["bytes"] and tier["page_cache_hit_pct"] is None
+
+    # The process is known for what it is, and named so.
+    me = next(p for p in report["session"]["processes"] if p["tgid"] == work.pid)
+    assert me["role"] == "vllm EngineCore" and me["cmdline"].startswith("VLLM::EngineCore_DP0")
 
     # Buffered writes reached the device from flush threads: traced back to the phase and
     # cache whose writes dirtied the pages, every page once.

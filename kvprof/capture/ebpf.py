@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from kvprof import caches, schema
 from kvprof.capture.files import OPEN_DTYPE, FileTable, all_tgids
+from kvprof.capture.procs import ProcessTable
 from kvprof.capture.ringbuf import RingReader
 from kvprof.devices import Device, by_number
 from kvprof.errors import EX_UNAVAILABLE, KvprofError
@@ -131,6 +132,10 @@ class Capture:
         self.events_total = 0
         events = self.bpf["events"]
         self._ring = RingReader(events.map_fd, int(events.max_entries), EVENT_DTYPE)
+        # Who the processes are, read from /proc as soon as each opens a file or does I/O:
+        # a short-lived one may be gone by the next flush.
+        self.procs = ProcessTable()
+        self._proc_rows: deque[pa.Table] = deque()
         self.files: FileTable | None = None
         self._opens: RingReader | None = None
         self._not_regular_rows = 0
@@ -188,9 +193,16 @@ class Capture:
             recs = self._opens.drain()
             if len(recs):
                 self.files.opened(recs)
+                self._described(recs["tgid"])
         ev = self._ring.drain()
         if len(ev):
             self._batches.append(ev)
+            self._described(ev["tgid"])
+
+    def _described(self, tgids: np.ndarray) -> None:
+        rows = self.procs.rows(tgids, time.monotonic_ns())
+        if rows is not None:
+            self._proc_rows.append(rows)
 
     def _drain_loop(self) -> None:
         while not self._stop.is_set():
@@ -237,11 +249,14 @@ class Capture:
         batches = []
         while self._batches:
             batches.append(self._batches.popleft())
+        procs = []
+        while self._proc_rows:
+            procs.append(self._proc_rows.popleft())
+        out = {"process": pa.concat_tables(procs)} if procs else {}
         if not batches:
-            return {}
+            return out
         ev = np.concatenate(batches)
         bios = ev["layer"] == LAYER_WRITEBACK
-        out = {}
         if bios.any():
             out["writeback"] = self._writeback_batch(ev[bios])
             ev = ev[~bios]
