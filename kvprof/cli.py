@@ -30,9 +30,9 @@ def _record_args(p: argparse.ArgumentParser) -> None:
                    help="trace only this process and its threads; repeatable")
     p.add_argument("--cgroup", action="append", default=[],
                    help="trace only tasks in this cgroup v2 (path under /sys/fs/cgroup)")
-    p.add_argument("--layer", action="append", choices=("block", "io_uring", "syscall"),
+    p.add_argument("--layer", action="append", choices=("block", "io_uring", "syscall", "tcp"),
                    help="capture only these layers (default: block and io_uring, and the "
-                        "file syscalls when -p or --cgroup selects processes)")
+                        "file syscalls and TCP bytes when -p or --cgroup selects processes)")
     p.add_argument("--duration", type=float, help="stop after this many seconds")
     p.add_argument("--socket", help="marker socket path (default: $KVPROF_SOCKET or "
                                     "/run/kvprof/marks.sock)")
@@ -65,9 +65,11 @@ def _layers(args) -> tuple[str, ...]:
 
     if args.layer:
         return tuple(dict.fromkeys(args.layer))
-    syscalls = (args.pid or args.cgroup) and all(
-        system.tracepoint_available(t) for t in system.TRACEPOINTS["syscall"])
-    return ("block", "io_uring", "syscall") if syscalls else ("block", "io_uring")
+    layers = ["block", "io_uring"]
+    if args.pid or args.cgroup:
+        layers += [layer for layer in ("syscall", "tcp") if all(
+            system.tracepoint_available(t) for t in system.TRACEPOINTS[layer])]
+    return tuple(layers)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ TRACEPOINTS = {
         "read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64", "writev",
         "pwritev", "pwritev2", "fsync", "fdatasync", "openat", "close")
         for side in ("enter", "exit")),
+    "tcp": ("sock/sock_send_length", "sock/sock_recv_length", "sock/inet_sock_set_state"),
 }
 
 
@@ -107,8 +108,8 @@ def check_tracepoints() -> list[Check]:
                              + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""),
                              "a kernel with CONFIG_BLK_DEV_IO_TRACE, io_uring and "
                              "CONFIG_FTRACE_SYSCALLS tracepoints, and tracefs mounted",
-                             # The file syscall layer is opt-in: without it, the rest works.
-                             required=group != "syscall"))
+                             # The process layers are opt-in: without them, the rest works.
+                             required=group not in ("syscall", "tcp")))
         else:
             names = [t.split("/")[1] for t in tps]
             out.append(Check(f"tracepoints:{group}", True, ", ".join(names) if len(names) <= 3

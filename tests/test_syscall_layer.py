@@ -186,3 +186,70 @@ def test_a_busy_process_loses_nothing_it_does_not_count(start_recorder, tmp_path
     assert paths == [str(data)]
     assert_kernel_count(got, calls, report)
     assert nbytes == got * 512
+
+
+PEER = """
+import socket, sys
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+got = 0
+want = int(sys.argv[1])
+while got < want:
+    got += len(conn.recv(1 << 16))
+conn.sendall(b"k" * int(sys.argv[2]))
+conn.close()
+"""
+
+CLIENT = """
+import socket, sys
+from kvprof.markers import Marker
+port, sock, up, down = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+sys.stdin.readline()
+m = Marker(sock, engine="remote-kv")
+c = socket.create_connection(("127.0.0.1", port))
+m.mark("prefill")
+c.sendall(b"v" * up)
+m.mark("decode")
+got = 0
+while got < down:
+    got += len(c.recv(1 << 16))
+m.mark("idle")
+c.close()
+print(got)
+"""
+
+
+@live
+def test_tcp_bytes_to_a_remote_kv_store_per_phase(start_recorder, tmp_path):
+    """A KV pool across the network (here a peer process on loopback): the bytes the engine
+    sent in prefill and received in decode, with the peer's address."""
+    up, down = 3 << 20, 5 << 20
+    peer = subprocess.Popen([sys.executable, "-c", PEER, str(up), str(down)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(peer.stdout.readline())
+        # start_recorder's marker socket for a session named "session".
+        client = subprocess.Popen([sys.executable, "-c", CLIENT, str(port),
+                                   str(tmp_path / "session.sock"), str(up), str(down)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
+        rec = start_recorder("-p", str(client.pid), "--layer", "tcp")
+        out, _ = client.communicate("go\n", timeout=60)
+        assert client.returncode == 0 and int(out) == down
+        assert rec.stop() == 0, "".join(rec.stderr_lines)
+    finally:
+        peer.kill()
+    report = rec.report()
+    tcp = {p: report["phases"][p]["tcp"] for p in ("prefill", "decode")}
+    print(f"tcp: prefill sent {tcp['prefill']['write']['bytes']}, decode received "
+          f"{tcp['decode']['read']['bytes']}")
+    assert tcp["prefill"]["write"]["bytes"] == up and tcp["prefill"]["read"]["bytes"] == 0
+    assert tcp["decode"]["read"]["bytes"] == down and tcp["decode"]["write"]["bytes"] == 0
+    con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
+    try:
+        peers = con.execute("SELECT DISTINCT path FROM io WHERE layer = 'tcp' AND tgid = ?",
+                            [client.pid]).fetchall()
+    finally:
+        con.close()
+    assert peers == [(f"127.0.0.1:{port}",)]

@@ -48,7 +48,7 @@ assert EVENT_DTYPE.itemsize == 96
 
 HEADER = "kvprof.h"
 PROBE_FILES = {"block": "block.bpf.c", "io_uring": "io_uring.bpf.c",
-               "syscall": "syscall.bpf.c"}
+               "syscall": "syscall.bpf.c", "tcp": "tcp.bpf.c"}
 COUNTER_NAMES = {0: "ringbuf_reserve_failed", 1: "block_unmatched_completion",
                  2: "block_completion_not_seen", 3: "io_uring_completion_not_seen",
                  4: "syscall_open_ring_full"}
@@ -58,7 +58,8 @@ START_MAPS = {"block": ("block_start_map", "block_completion_not_seen"),
 LAYER_BLOCK = schema.LAYERS.index(schema.LAYER_BLOCK)
 LAYER_URING = schema.LAYERS.index(schema.LAYER_IO_URING)
 LAYER_SYSCALL = schema.LAYERS.index(schema.LAYER_SYSCALL)
-LAYER_WRITEBACK = 3  # KVPROF_LAYER_WRITEBACK: writeback bios, not io rows
+LAYER_TCP = schema.LAYERS.index(schema.LAYER_TCP)
+LAYER_WRITEBACK = 7  # KVPROF_LAYER_WRITEBACK: writeback bios, not io rows
 DRAIN_INTERVAL_S = 0.02
 # 16 MiB: about 170 k events, most of a second at 250 k events/s, so a pause of the Python
 # side (a store flush holding the GIL) does not overflow the ring.
@@ -94,7 +95,7 @@ def build_program(layers: tuple[str, ...], filters: CaptureFilter,
         parts.append((d / PROBE_FILES[layer]).read_text().replace(f'#include "{HEADER}"\n', ""))
     text = "\n".join(parts)
     cflags = [f"-DKVPROF_RINGBUF_PAGES={int(ringbuf_pages)}"]
-    if "syscall" in layers:
+    if "syscall" in layers or "tcp" in layers:
         cflags.append(f"-DKVPROF_SELF_TGID={os.getpid()}")
         if "block" in layers:
             cflags.append("-DKVPROF_WRITEBACK")
@@ -221,6 +222,8 @@ class Capture:
         # Requests still held as in flight were never seen completing: skipped completion
         # probes, or I/O in flight at the moment of detaching. Either way, not recorded.
         for layer in self.layers:
+            if layer not in START_MAPS:
+                continue  # tcp: each record is one call's bytes, nothing held in flight
             table, reason = START_MAPS[layer]
             held = sum(1 for _, v in self.bpf[table].items()
                        if not getattr(v, "flags", 0) & FLAG_FILTERED)
@@ -348,7 +351,7 @@ class Capture:
             "uring_ctx": pa.array(ev["ctx"], pa.uint64(), mask=~uring),
             "syscall": _labels(np.minimum(ev["opcode"], len(schema.SYSCALLS) - 1),
                                schema.SYSCALLS, mask=~sysc),
-            "path": per_file("path", pa.string()),
+            "path": _peers(ev, layer == LAYER_TCP, per_file("path", pa.string())),
             "bytes_asked": pa.array(ev["asked"].astype(np.uint64), mask=~sysc),
             "cache": per_file("cache", pa.string()),
             "inode": pa.array(np.where(sysc, file_inode.fill_null(0).to_numpy(
@@ -362,6 +365,27 @@ class Capture:
 FLAG_FILTERED = 1 << 15  # KVPROF_FL_FILTERED: entries of tasks the filters leave out
 FLAG_DIRECT = schema.FLAG_DIRECT
 FLAG_WRITEBACK = schema.FLAG_WRITEBACK
+
+
+def _peers(ev: np.ndarray, tcp: np.ndarray, paths: pa.Array) -> pa.Array:
+    """The path column: files' paths, and for tcp rows the peer as address:port (IPv6 peers
+    by port only, `?` where the connection predates kvprof)."""
+    if not tcp.any():
+        return paths
+    # One string per distinct peer, not per row: a busy socket sends many times a second.
+    key = ev["sector"][tcp] * 16 + (ev["opcode"][tcp] & 15)
+    uniq, inv = np.unique(key, return_inverse=True)
+    names = []
+    for k in uniq.tolist():
+        ap, fam = k >> 4, k & 15
+        if fam == 2:
+            a = (ap >> 16).to_bytes(4, "little")
+            names.append(f"{a[0]}.{a[1]}.{a[2]}.{a[3]}:{ap & 0xFFFF}")
+        else:
+            names.append(f"[ipv6]:{ap & 0xFFFF}" if fam == 10 else "?")
+    out = np.array(paths.to_pylist(), dtype=object)
+    out[tcp] = np.array(names, dtype=object)[inv.reshape(-1)]
+    return pa.array(out.tolist(), pa.string())
 
 
 def _cgroup_id(tgid: int) -> int | None:
