@@ -124,7 +124,7 @@ def test_doctor_prints_one_line_per_check():
     r = run_kvprof("doctor")
     names = [line.split()[1] for line in r.stdout.splitlines() if line[:4] in ("ok  ", "FAIL", "warn")]
     assert names == ["privilege", "tracefs", "tracepoints:block", "tracepoints:io_uring",
-                     "tracepoints:syscall", "tracepoints:tcp", "bcc", "kernel", "nvml"]
+                     "tracepoints:syscall", "tracepoints:tcp", "bcc", "kernel", "nvml", "gds"]
     failed = [line for line in r.stdout.splitlines() if line.startswith("FAIL")]
     assert r.returncode == (1 if failed else 0)
     for i, line in enumerate(r.stdout.splitlines()):
