@@ -159,9 +159,14 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             src.start()
         if on_start is not None:
             on_start(store)
-        what = ", ".join(d.name for d in filters.devices) or "all block devices"
-        log(f"Tracing {'+'.join(opts.layers)} I/O on {what}; marks on {marks.path}; "
-            f"session {out}. Hit Ctrl-C to end.")
+        where = []
+        if set(opts.layers) & {"block", "io_uring"}:
+            where.append(", ".join(d.name for d in filters.devices) or "all block devices")
+        if filters.tgids or filters.cgroup_ids:
+            where.append(", ".join([*(f"pid {t}" for t in filters.tgids),
+                                    *(f"cgroup {c}" for c in opts.cgroups)]))
+        log(f"Tracing {'+'.join(opts.layers)} I/O on {'; '.join(where) or 'all processes'}; "
+            f"marks on {marks.path}; session {out}. Hit Ctrl-C to end.")
         feeds = (marks, *(s for _, s in sources))
         deadline = None if opts.duration_s is None else time.monotonic() + opts.duration_s
         flushes = 0
