@@ -54,6 +54,8 @@ class PhaseStats:
     app_read: float = 0.0
     app_write: float = 0.0
     page_cache_hit_pct: float | None = None
+    # Per KV cache, busiest first: (name, read bytes/s, write bytes/s, read hit share).
+    caches: tuple[tuple[str, float, float, float | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,11 @@ def _phase_stats(p: str, ph: dict, rates: dict) -> PhaseStats:
         idle_pct=ph["block"]["time_idle_pct"] if layer == "block" else None,
         app_read=ph["syscall"]["read"]["bandwidth_bytes_per_s"],
         app_write=ph["syscall"]["write"]["bandwidth_bytes_per_s"],
-        page_cache_hit_pct=ph["syscall"].get("page_cache_hit_pct"))
+        page_cache_hit_pct=ph["syscall"].get("page_cache_hit_pct"),
+        caches=tuple(sorted(
+            ((name, c["read"]["bandwidth_bytes_per_s"], c["write"]["bandwidth_bytes_per_s"],
+              c["read"]["page_cache_hit_pct"]) for name, c in ph.get("caches", {}).items()),
+            key=lambda c: (-(c[1] + c[2]), c[0]))))
 
 
 def build_snapshot(rows: RowSource, window_s: float | None, now_ns: int,

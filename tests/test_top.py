@@ -366,3 +366,42 @@ def test_live_numbers_move_within_a_second_of_the_io(loopdev, tmp_path):
     assert rep.returncode == 0, rep.stderr
     assert '"write"' in rep.stdout
 
+
+
+def test_phase_panel_shows_each_kv_cache_where_it_has_room():
+    """With the syscall layer, a panel adds the application's file bandwidth and then one
+    line per KV cache, busiest first, as far as its height allows."""
+    from kvprof.ui.app import PhasePanel
+    from tests.test_live_cache import NS, Session
+
+    sess = Session(seconds=4, rate=2000)
+    sess.flush_until(sess.start + 4 * NS)
+    snap = build_snapshot(SqlRows(sess.con), None, sess.start + 4 * NS)
+    dec = snap.phase("decode")
+    caches = snap.summary["phases"]["decode"]["caches"]
+    assert [c[0] for c in dec.caches] == sorted(
+        caches, key=lambda n: (-(caches[n]["read"]["bandwidth_bytes_per_s"]
+                                 + caches[n]["write"]["bandwidth_bytes_per_s"]), n))
+    assert dec.app_read == snap.summary["phases"]["decode"]["syscall"]["read"][
+        "bandwidth_bytes_per_s"]
+
+    def lines(size):
+        widget = PhasePanel("decode")
+        app = _panel_app(widget)
+        out = []
+
+        async def run():
+            async with app.run_test(size=size) as pilot:
+                widget.snapshot = snap
+                await pilot.pause()
+                out.append(str(widget.render()))
+        asyncio.run(run())
+        return out[0].splitlines()
+
+    tall, short = lines((40, 16)), lines((40, 11))
+    app_at = next(i for i, line in enumerate(tall) if line.startswith("app "))
+    p50_at = next(i for i, line in enumerate(tall) if line.startswith("p50/99"))
+    assert [line.split()[0] for line in tall[app_at + 1:p50_at]] == [c[0] for c in dec.caches]
+    # Too short for the extra lines: the device's numbers keep their place.
+    assert not any(line.startswith("app ") for line in short)
+    assert short[-1].startswith("idle")

@@ -173,6 +173,14 @@ class PhasePanel(SnapshotView):
             # Only where it fits: the device's numbers below come first.
             hit = "" if p.page_cache_hit_pct is None else f" {p.page_cache_hit_pct:.0f}%"
             t.append(f"app {short_rate(p.app_read):>4} {short_rate(p.app_write):>4}{hit}\n")
+            # Then each KV cache, while the panel has a line to spare for it.
+            shown = p.caches[:max(0, self.size.height - 10)]
+            tails = [f" {short_rate(rd):>4} {short_rate(wr):>4}" + (
+                "" if chit is None else f" {chit:>3.0f}%") for _, rd, wr, chit in shown]
+            w = max(1, self.size.width - 1 - max(map(len, tails), default=0))
+            for (name, *_), tail in zip(shown, tails):
+                t.append(f" {name[:w]:<{w}}", style="dim")
+                t.append(tail + "\n")
         t.append(f"p50/99 {human_us(p.p50_us)} {human_us(p.p99_us)}\n")
         t.append("lat  ", style="dim")
         t.append(spark(p.latency_hist_us, w) + "\n", style=PHASE_COLOURS[self.phase])
