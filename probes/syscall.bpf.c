@@ -19,6 +19,8 @@ typedef int rwf_t;
 
 #define KVPROF_PATH_MAX 240
 #define KVPROF_IOV_MAX 8
+/* kvprof_open.flags of a close record (no open flags combination has every bit set). */
+#define KVPROF_CLOSED 0xffffffff
 /* Open file ids given by user space while seeding start here; the kernel counts from 1. */
 #define KVPROF_SEEDED_IDS (1ULL << 40)
 #ifndef KVPROF_SELF_TGID
@@ -66,7 +68,9 @@ BPF_HASH(file_map, struct file_key, struct file_val, KVPROF_START_ENTRIES);
 BPF_HASH(sys_start_map, u32, struct sys_start, KVPROF_START_ENTRIES);
 BPF_HASH(open_start_map, u32, struct open_start, 4096);
 BPF_ARRAY(file_ids, u64, 1);
-BPF_RINGBUF_OUTPUT(opens, 64);
+/* 4 MiB, about 15k open and close records: engines that open a file per chunk access
+ * open thousands a second, and the ring is drained every 20 ms. */
+BPF_RINGBUF_OUTPUT(opens, 1024);
 
 /* The kernel's syscall names, by the code in kvprof_io.opcode (schema.SYSCALLS). */
 #define SYS_READ 0
@@ -313,6 +317,22 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)
     struct file_key k = {};
     k.tgid = bpf_get_current_pid_tgid() >> 32;
     k.fd = (s32)args->fd;
+    struct file_val *f = file_map.lookup(&k);
+    if (!f)
+        return 0;
+    /* Tell user space the id is done with, so its name table stays as small as the set of
+     * open files (engines open a file per chunk access). A full ring only delays that. */
+    struct kvprof_open *rec = opens.ringbuf_reserve(sizeof(struct kvprof_open));
+    if (rec) {
+        rec->ts_ns = bpf_ktime_get_ns();
+        rec->id = f->id;
+        rec->tgid = k.tgid;
+        rec->fd = k.fd;
+        rec->flags = KVPROF_CLOSED;
+        rec->pad = 0;
+        rec->path[0] = 0;
+        opens.ringbuf_submit(rec, BPF_RB_NO_WAKEUP);
+    }
     file_map.delete(&k);
     return 0;
 }

@@ -253,3 +253,50 @@ def test_tcp_bytes_to_a_remote_kv_store_per_phase(start_recorder, tmp_path):
     finally:
         con.close()
     assert peers == [(f"127.0.0.1:{port}",)]
+
+
+CHURN = """
+import os, sys
+sys.stdin.readline()
+for i in range(300):  # a file per chunk access, as LMCache and HiCache do
+    path = os.path.join(sys.argv[1], f"chunk-{i}.bin")
+    with open(path, "wb", buffering=0) as f:
+        f.write(b"x" * 4096)
+    with open(path, "rb", buffering=0) as f:
+        f.read()
+print("done", flush=True)
+sys.stdin.readline()
+"""
+
+
+@live
+@pytest.mark.filterwarnings("ignore:not a bytes object:DeprecationWarning")  # bcc's str names
+def test_file_names_are_kept_only_while_files_are_open(tmp_path):
+    """Engines open a file per chunk access: the table naming traced files must not grow
+    with every open over a long recording, and no row may lose its name for that."""
+    from kvprof.capture.ebpf import Capture, CaptureFilter
+
+    churn = subprocess.Popen([sys.executable, "-c", CHURN, str(tmp_path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    cap = Capture(("syscall",), CaptureFilter(tgids=(churn.pid,)))
+    cap.start()
+    try:
+        churn.stdin.write("go\n")
+        churn.stdin.flush()
+        assert churn.stdout.readline().strip() == "done"
+        time.sleep(0.2)  # drained
+        first = cap.take()["io"]
+        cap.take()  # closes read with the last rows are forgotten after these are named
+        held = len(cap.files.files)
+    finally:
+        churn.stdin.write("\n")
+        churn.stdin.flush()
+        churn.wait(10)
+        cap.stop()
+    rows = first.to_pydict()
+    mine = [p for p, t, layer in zip(rows["path"], rows["tgid"], rows["layer"])
+            if t == churn.pid and layer == "syscall"]
+    assert None not in mine  # every row named, though its file was closed and forgotten
+    chunks = [p for p in mine if p.startswith(str(tmp_path))]
+    assert len({*chunks}) == 300 and len(chunks) >= 600  # a write and reads of each
+    assert held < 10, held  # 600 opens, all closed: nothing left but what is still open

@@ -121,7 +121,8 @@ class Capture:
         self.filters = filters
         self.program = build_program(layers, filters, ringbuf_pages)
         try:
-            self.bpf = self.bcc.BPF(text=self.program.text, cflags=list(self.program.cflags))
+            self.bpf = self.bcc.BPF(text=self.program.text.encode(),
+                                    cflags=list(self.program.cflags))
         except Exception as e:  # noqa: BLE001 - bcc raises bare Exception on compile/load
             raise KvprofError(f"loading the BPF probes failed: {e}", EX_UNAVAILABLE) from None
         self._fill_filters()
@@ -199,6 +200,8 @@ class Capture:
         if len(ev):
             self._batches.append(ev)
             self._described(ev["tgid"])
+        if self.files is not None:
+            self.files.settle()
 
     def _described(self, tgids: np.ndarray) -> None:
         rows = self.procs.rows(tgids, time.monotonic_ns())
@@ -249,6 +252,8 @@ class Capture:
 
     def take(self) -> dict[str, pa.RecordBatch]:
         """The rows drained since the last call, by table (io, and writeback bios)."""
+        # Files whose rows were all in the batches before this: named below, then forgotten.
+        closed = self.files.closed_since() if self.files is not None else set()
         batches = []
         while self._batches:
             batches.append(self._batches.popleft())
@@ -257,6 +262,8 @@ class Capture:
             procs.append(self._proc_rows.popleft())
         out = {"process": pa.concat_tables(procs)} if procs else {}
         if not batches:
+            if self.files is not None:
+                self.files.forget(closed)
             return out
         ev = np.concatenate(batches)
         bios = ev["layer"] == LAYER_WRITEBACK
@@ -266,6 +273,8 @@ class Capture:
         self.events_total += len(ev)
         if len(ev):
             out["io"] = self.to_batch(ev)
+        if self.files is not None:
+            self.files.forget(closed)
         return out
 
     def _writeback_batch(self, ev: np.ndarray) -> pa.RecordBatch:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import numpy as np
 from kvprof import caches
 
 SEEDED_IDS = 1 << 40  # KVPROF_SEEDED_IDS in probes/syscall.bpf.c
+CLOSED = 0xFFFFFFFF  # KVPROF_CLOSED: the record says the file was closed
 PATH_MAX = 240  # KVPROF_PATH_MAX
 O_DIRECT = getattr(os, "O_DIRECT", 0o40000)
 
@@ -53,11 +55,19 @@ class FileTable:
         self._proc = proc
         self.files: dict[int, OpenFile] = {}
         self.not_regular: set[int] = set()
+        # Ids closed: read from the ring but maybe not yet all their rows (`_read`), then
+        # with every row drained (`_closed`) until take() names those rows and forgets them.
+        self._read: set[int] = set()
+        self._closed: set[int] = set()
+        self._lock = threading.Lock()
 
     def opened(self, recs: np.ndarray) -> None:
         """Open records from the kernel, in order."""
         for r in recs.tolist():
             ts, fid, tgid, fd, flags, _, raw = r
+            if flags == CLOSED:
+                self._read.add(fid)
+                continue
             path = self._absolute(raw.split(b"\0", 1)[0].decode(errors="replace"), tgid, fd)
             regular, inode = self._regular(path)
             if not regular:
@@ -117,6 +127,25 @@ class FileTable:
                                                caches.label(path, self._rules), inode)
                 out.append((next_id, tgid, fd, direct))
         return out
+
+    def settle(self) -> None:
+        """The events ring has been drained after the close records were read: those files'
+        rows are all drained now (each row was written before its file's close record)."""
+        with self._lock:
+            self._closed |= self._read
+        self._read = set()
+
+    def closed_since(self) -> set[int]:
+        """Ids whose rows are all drained, handed over once: after the rows drained until
+        now are named, they can go."""
+        with self._lock:
+            done, self._closed = self._closed, set()
+        return done
+
+    def forget(self, ids: set[int]) -> None:
+        for fid in ids:
+            self.files.pop(fid, None)
+            self.not_regular.discard(fid)
 
     def lookup(self, ids: np.ndarray) -> tuple[list[OpenFile | None], np.ndarray]:
         """The files of the unique ids (None when unknown), and which ids are not regular
