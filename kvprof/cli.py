@@ -30,9 +30,11 @@ def _record_args(p: argparse.ArgumentParser) -> None:
                    help="trace only this process and its threads; repeatable")
     p.add_argument("--cgroup", action="append", default=[],
                    help="trace only tasks in this cgroup v2 (path under /sys/fs/cgroup)")
-    p.add_argument("--layer", action="append", choices=("block", "io_uring", "syscall", "tcp"),
-                   help="capture only these layers (default: block and io_uring, and the "
-                        "file syscalls and TCP bytes when -p or --cgroup selects processes)")
+    p.add_argument("--layer", action="append",
+                   choices=("block", "io_uring", "syscall", "tcp", "gds"),
+                   help="capture only these layers (default: block and io_uring; with -p or "
+                        "--cgroup also the processes' file syscalls, TCP bytes, and cuFile "
+                        "calls where libcufile is installed)")
     p.add_argument("--duration", type=float, help="stop after this many seconds")
     p.add_argument("--socket", help="marker socket path (default: $KVPROF_SOCKET or "
                                     "/run/kvprof/marks.sock)")
@@ -65,10 +67,14 @@ def _layers(args) -> tuple[str, ...]:
 
     if args.layer:
         return tuple(dict.fromkeys(args.layer))
+    from kvprof.capture.gds import find_cufile
+
     layers = ["block", "io_uring"]
     if args.pid or args.cgroup:
         layers += [layer for layer in ("syscall", "tcp") if all(
             system.tracepoint_available(t) for t in system.TRACEPOINTS[layer])]
+        if find_cufile():
+            layers.append("gds")
     return tuple(layers)
 
 

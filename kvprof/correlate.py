@@ -134,6 +134,11 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
     files = any(layer == "syscall" and op in MAIN_OPS for _, layer, op, *_ in got.stats)
     _caches(phases, rows.per_cache(pieces, view) if files else [])
     unattributed = _writeback(phases, rows.writeback(pieces, view) if files else [])
+    for p in schema.PHASES:
+        phases[p]["gds"]["probes"] = {}
+    if any(layer == "gds" for _, layer, *_ in got.stats):
+        for p, probe, n in rows.gds_calls(pieces, view):
+            phases[p]["gds"]["probes"][probe] = int(n)
     lost = {k: int(v) for k, v in info.lost.items()}
     return {
         "session": {

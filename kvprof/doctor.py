@@ -28,25 +28,17 @@ def _nvml() -> system.Check:
                         f"{status.fix}; optional", required=False)
 
 
-# Where CUDA installs put libcufile (GPUDirect Storage); ldconfig's cache is asked first.
-CUFILE_DIRS = ("/usr/local/cuda/lib64", "/usr/local/cuda/targets/x86_64-linux/lib",
-               "/usr/lib/x86_64-linux-gnu", "/usr/lib64")
-
-
 def _gds() -> system.Check:
     """GPUDirect Storage moves KV between NVMe and GPU memory without the page cache; in its
     compat mode it does plain POSIX I/O, which the syscall layer sees."""
-    import ctypes.util
-    import glob
+    from kvprof.capture.gds import find_cufile
 
-    found = ctypes.util.find_library("cufile") or next(
-        (p for d in CUFILE_DIRS for p in sorted(glob.glob(f"{d}/libcufile.so*"))), None)
+    found = find_cufile()
     if found is None:
         return system.Check("gds", False, "libcufile not found: no GPUDirect Storage on this "
                             "host (nothing to trace)", "", required=False)
-    return system.Check("gds", False, f"{found}: its DMA reads and writes (USDT cufio:*) "
-                        "are not traced yet; compat-mode I/O shows in the syscall layer", "",
-                        required=False)
+    return system.Check("gds", True, f"{found}: cuFile calls traced with --layer gds (on "
+                        "by default with -p/--cgroup)")
 
 
 def run_doctor() -> int:

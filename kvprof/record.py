@@ -96,7 +96,9 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
     filters = resolve_filters(opts)
     cache_rules = caches.parse(opts.caches)
     for layer in opts.layers:
-        missing = [t for t in system.TRACEPOINTS[layer] if not system.tracepoint_available(t)]
+        # (gds attaches to USDT probes in a library, not to tracepoints.)
+        missing = [t for t in system.TRACEPOINTS.get(layer, ())
+                   if not system.tracepoint_available(t)]
         if missing:
             raise KvprofError(f"this kernel lacks tracepoints {', '.join(missing)}; "
                               f"record without that layer", EX_USAGE)

@@ -64,6 +64,11 @@ def to_text(summary: dict, name: str = "") -> str:
         if devs:
             idle = "  ".join(f"{d} {_pct(v['time_idle_pct'])}" for d, v in devs.items())
             lines.append(f"  block time idle: {idle}"[:WIDTH])
+        probes = ph.get("gds", {}).get("probes")
+        if probes:
+            dma = sum(n for k, n in probes.items() if k.startswith("cufio_gds"))
+            lines.append(f"  cuFile calls: {dma} by GPUDirect DMA, "
+                         f"{sum(probes.values()) - dma} in compat mode (POSIX)"[:WIDTH])
         wb = ph.get("writeback")
         if wb and wb["bytes"]:
             by = "  ".join(f"{c} {human_bytes(v['bytes'])}" for c, v in sorted(

@@ -105,6 +105,10 @@ class RowSource:
         page cache did not hold; readahead included)."""
         raise NotImplementedError
 
+    def gds_calls(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+        """cuFile calls per (phase, probe): DMA (cufio_gds_*) or compat POSIX (cufio_px_*)."""
+        raise NotImplementedError
+
     def writeback(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         """The bios flush threads wrote back (the writeback table), each with the phase and
         cache of the last buffered syscall write to its inode before it: per (phase, cache)
@@ -276,6 +280,18 @@ class SqlRows(RowSource):
             FROM wb ASOF LEFT JOIN w ON wb.inode = w.inode AND wb.issue_ns >= w.issue_ns
             GROUP BY ALL ORDER BY ALL""", params)
 
+    def gds_calls(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+        cond, params = _where(view)
+        if not pieces.whole:
+            cond = _and("issue_ns >= ? AND issue_ns < ?", cond)
+            params = [int(pieces.t0), int(pieces.t1), *params]
+        return self._joined(pieces, f"""
+            SELECT w.w_phase, io.syscall, count(*)
+            FROM (SELECT issue_ns, syscall FROM io
+                  WHERE {_and("layer = 'gds'", cond)}) io
+            ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start
+            GROUP BY ALL ORDER BY ALL""", params)
+
     def _io_columns(self) -> set[str]:
         return {r[0] for r in self.cur.execute(
             "SELECT column_name FROM information_schema.columns WHERE table_name = 'io'"
@@ -396,6 +412,9 @@ class LiveRows(RowSource):
 
     def writeback(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         return self.sql.writeback(pieces, view)
+
+    def gds_calls(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+        return self.sql.gds_calls(pieces, view)
 
     def interrupt(self) -> None:
         self.sql.interrupt()

@@ -15,7 +15,9 @@ LAYER_IO_URING = "io_uring"
 LAYER_SYSCALL = "syscall"
 # TCP bytes the traced processes send and receive: network-backed KV stores.
 LAYER_TCP = "tcp"
-LAYERS = (LAYER_BLOCK, LAYER_IO_URING, LAYER_SYSCALL, LAYER_TCP)
+# cuFile (GPUDirect Storage) calls at libcufile's USDT probes: DMA or compat-mode POSIX.
+LAYER_GDS = "gds"
+LAYERS = (LAYER_BLOCK, LAYER_IO_URING, LAYER_SYSCALL, LAYER_TCP, LAYER_GDS)
 # The layers a device sees once each byte: the others repeat (io_uring) or precede (syscall)
 # block requests.
 DEVICE_LAYERS = (LAYER_BLOCK, LAYER_IO_URING)
@@ -70,9 +72,9 @@ IO = pa.schema(
         # io_uring only: IORING_OP_* and the ring (struct io_ring_ctx address) it came from.
         ("uring_opcode", pa.uint8()),
         ("uring_ctx", pa.uint64()),
-        # syscall layer only: which syscall, the file's path as opened (tcp: the peer,
-        # address:port), bytes asked for (`bytes` is what the call did). Absent from
-        # sessions recorded before the layer.
+        # syscall layer only: which syscall (gds: which cufio probe), the file's path as
+        # opened (tcp: the peer, address:port), bytes asked for (`bytes` is what the call
+        # did). Absent from sessions recorded before the layer.
         ("syscall", pa.string()),
         ("path", pa.string()),
         ("bytes_asked", pa.uint64()),

@@ -8,6 +8,7 @@
 #define KVPROF_LAYER_IO_URING 1
 #define KVPROF_LAYER_SYSCALL 2
 #define KVPROF_LAYER_TCP 3
+#define KVPROF_LAYER_GDS 4
 /* Not an I/O: a bio a flush thread submitted while writing back an inode (its own table). */
 #define KVPROF_LAYER_WRITEBACK 7
 

@@ -28,6 +28,8 @@ for tool in fio:fio losetup:mount setpriv:util-linux mkfs.ext4:e2fsprogs tmux:tm
   command -v "${tool%%:*}" >/dev/null || need+=("${tool#*:}")
 done
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
+# sys/sdt.h: the tests build a stand-in for libcufile with its USDT probes.
+dpkg -s systemtap-sdt-dev >/dev/null 2>&1 || need+=(systemtap-sdt-dev)
 [ ${#need[@]} -eq 0 ] || apt_install "${need[@]}"
 
 # Kernel headers for bcc. The matching package is right where it exists; kernels built

@@ -300,3 +300,56 @@ def test_file_names_are_kept_only_while_files_are_open(tmp_path):
     chunks = [p for p in mine if p.startswith(str(tmp_path))]
     assert len({*chunks}) == 300 and len(chunks) >= 600  # a write and reads of each
     assert held < 10, held  # 600 opens, all closed: nothing left but what is still open
+
+
+FAKE_CUFILE = r"""
+#include <sys/sdt.h>
+/* A stand-in for libcufile: the same USDT provider and probe names, fired on demand. */
+void gds_read(long n) { DTRACE_PROBE1(cufio, cufio_gds_read, n); }
+void gds_write(long n) { DTRACE_PROBE1(cufio, cufio_gds_write, n); }
+void px_read(long n) { DTRACE_PROBE1(cufio, cufio_px_read, n); }
+void px_write(long n) { DTRACE_PROBE1(cufio, cufio_px_write, n); }
+"""
+
+CUFILE_USER = """
+import ctypes, sys
+from kvprof.markers import Marker
+lib = ctypes.CDLL(sys.argv[1])
+sys.stdin.readline()
+m = Marker(sys.argv[2], engine="gds")
+m.mark("prefill")
+for _ in range(7): lib.gds_write(1 << 20)
+for _ in range(3): lib.px_write(1 << 20)
+m.mark("decode")
+for _ in range(11): lib.gds_read(4096)
+for _ in range(5): lib.px_read(4096)
+m.mark("idle")
+print("ok")
+"""
+
+
+@live
+def test_cufile_calls_per_phase_by_dma_and_compat_mode(start_recorder, tmp_path, monkeypatch):
+    """GPUDirect Storage: cuFile's reads and writes at libcufile's USDT probes, per phase,
+    told apart as DMA (cufio_gds_*) or compat-mode POSIX (cufio_px_*). No GPU here: a small
+    library carrying the same provider and probe names stands in for libcufile."""
+    src = tmp_path / "fake.c"
+    src.write_text(FAKE_CUFILE)
+    lib = tmp_path / "libcufile.so.1"
+    cc = subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(src)],
+                        capture_output=True, text=True)
+    if cc.returncode != 0:
+        pytest.skip(f"cannot build the stand-in library (sys/sdt.h?): {cc.stderr[:200]}")
+    monkeypatch.setenv("KVPROF_CUFILE", str(lib))
+    user = subprocess.Popen([sys.executable, "-c", CUFILE_USER, str(lib),
+                             str(tmp_path / "session.sock")], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    rec = start_recorder("-p", str(user.pid), "--layer", "gds")
+    assert user.communicate("go\n", timeout=60)[0].strip() == "ok"
+    assert rec.stop() == 0, "".join(rec.stderr_lines)
+    report = rec.report()
+    pre, dec = report["phases"]["prefill"]["gds"], report["phases"]["decode"]["gds"]
+    assert pre["write"]["ios"] == 10 and dec["read"]["ios"] == 16
+    assert pre["probes"] == {"cufio_gds_write": 7, "cufio_px_write": 3}
+    assert dec["probes"] == {"cufio_gds_read": 11, "cufio_px_read": 5}

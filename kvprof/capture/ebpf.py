@@ -16,6 +16,8 @@ import pyarrow as pa
 
 from kvprof import caches, schema
 from kvprof.capture.files import OPEN_DTYPE, FileTable, all_tgids
+from kvprof.capture.gds import NAMES as GDS_PROBES
+from kvprof.capture.gds import find_cufile, usdt_contexts
 from kvprof.capture.procs import ProcessTable
 from kvprof.capture.ringbuf import RingReader
 from kvprof.devices import Device, by_number
@@ -48,7 +50,7 @@ assert EVENT_DTYPE.itemsize == 96
 
 HEADER = "kvprof.h"
 PROBE_FILES = {"block": "block.bpf.c", "io_uring": "io_uring.bpf.c",
-               "syscall": "syscall.bpf.c", "tcp": "tcp.bpf.c"}
+               "syscall": "syscall.bpf.c", "tcp": "tcp.bpf.c", "gds": "gds.bpf.c"}
 COUNTER_NAMES = {0: "ringbuf_reserve_failed", 1: "block_unmatched_completion",
                  2: "block_completion_not_seen", 3: "io_uring_completion_not_seen",
                  4: "syscall_open_ring_full"}
@@ -59,6 +61,7 @@ LAYER_BLOCK = schema.LAYERS.index(schema.LAYER_BLOCK)
 LAYER_URING = schema.LAYERS.index(schema.LAYER_IO_URING)
 LAYER_SYSCALL = schema.LAYERS.index(schema.LAYER_SYSCALL)
 LAYER_TCP = schema.LAYERS.index(schema.LAYER_TCP)
+LAYER_GDS = schema.LAYERS.index(schema.LAYER_GDS)
 LAYER_WRITEBACK = 7  # KVPROF_LAYER_WRITEBACK: writeback bios, not io rows
 DRAIN_INTERVAL_S = 0.02
 # 16 MiB: about 170 k events, most of a second at 250 k events/s, so a pause of the Python
@@ -95,7 +98,7 @@ def build_program(layers: tuple[str, ...], filters: CaptureFilter,
         parts.append((d / PROBE_FILES[layer]).read_text().replace(f'#include "{HEADER}"\n', ""))
     text = "\n".join(parts)
     cflags = [f"-DKVPROF_RINGBUF_PAGES={int(ringbuf_pages)}"]
-    if "syscall" in layers or "tcp" in layers:
+    if {"syscall", "tcp", "gds"} & set(layers):
         cflags.append(f"-DKVPROF_SELF_TGID={os.getpid()}")
         if "block" in layers:
             cflags.append("-DKVPROF_WRITEBACK")
@@ -120,9 +123,19 @@ class Capture:
         self.layers = layers
         self.filters = filters
         self.program = build_program(layers, filters, ringbuf_pages)
+        usdt: list = []
+        if "gds" in layers:
+            lib = find_cufile()
+            if lib is None:
+                raise KvprofError("--layer gds: libcufile not found (set KVPROF_CUFILE to "
+                                  "its path)", EX_UNAVAILABLE)
+            usdt, self.gds_missing = usdt_contexts(self.bcc, lib)
+            if not usdt:
+                raise KvprofError(f"--layer gds: {lib} has none of the cufio USDT probes",
+                                  EX_UNAVAILABLE)
         try:
             self.bpf = self.bcc.BPF(text=self.program.text.encode(),
-                                    cflags=list(self.program.cflags))
+                                    cflags=list(self.program.cflags), usdt_contexts=usdt)
         except Exception as e:  # noqa: BLE001 - bcc raises bare Exception on compile/load
             raise KvprofError(f"loading the BPF probes failed: {e}", EX_UNAVAILABLE) from None
         self._fill_filters()
@@ -325,6 +338,7 @@ class Capture:
             found, inv = [], np.empty(0, np.int64)
         block = layer == LAYER_BLOCK
         uring = layer == LAYER_URING
+        gds = layer == LAYER_GDS
         devs = ev["dev"]
         uniq, dinv = np.unique(np.where(block, devs, 0), return_inverse=True)
         names = [self.device(int(u)).name if u else "" for u in uniq]
@@ -358,8 +372,10 @@ class Capture:
             "error": pa.array(ev["error"]),
             "uring_opcode": pa.array(ev["opcode"], pa.uint8(), mask=~uring),
             "uring_ctx": pa.array(ev["ctx"], pa.uint64(), mask=~uring),
-            "syscall": _labels(np.minimum(ev["opcode"], len(schema.SYSCALLS) - 1),
-                               schema.SYSCALLS, mask=~sysc),
+            "syscall": _labels(np.where(gds, np.minimum(ev["opcode"], len(GDS_PROBES) - 1)
+                                        + len(schema.SYSCALLS),
+                                        np.minimum(ev["opcode"], len(schema.SYSCALLS) - 1)),
+                               schema.SYSCALLS + GDS_PROBES, mask=~(sysc | gds)),
             "path": _peers(ev, layer == LAYER_TCP, per_file("path", pa.string())),
             "bytes_asked": pa.array(ev["asked"].astype(np.uint64), mask=~sysc),
             "cache": per_file("cache", pa.string()),
