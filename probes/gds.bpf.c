@@ -6,27 +6,15 @@
  * libcufile carry these probes; some aarch64 builds carry none. */
 #include "kvprof.h"
 
-#ifndef KVPROF_SELF_TGID
-#define KVPROF_SELF_TGID 0
-#endif
-
 /* Which probe, by the code in kvprof_io.opcode (capture.gds.PROBES). */
 static __always_inline int gds_call(u8 op, u8 probe)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    u32 tgid = id >> 32;
-    if (tgid == KVPROF_SELF_TGID || !kvprof_task_allowed(tgid))
-        return 0;
     struct kvprof_io e = {};
-    e.issue_ns = bpf_ktime_get_ns();
-    e.complete_ns = e.issue_ns;
-    e.pid = (u32)id;
-    e.tgid = tgid;
-    e.cgroup_id = bpf_get_current_cgroup_id();
+    if (!kvprof_task_row(&e))
+        return 0;
     e.op = op;
     e.opcode = probe;
     e.layer = KVPROF_LAYER_GDS;
-    bpf_get_current_comm(&e.comm, sizeof(e.comm));
     kvprof_emit(&e);
     return 0;
 }

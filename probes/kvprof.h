@@ -127,6 +127,27 @@ static __always_inline int kvprof_task_allowed(u32 tgid)
     return 1;
 }
 
+#ifndef KVPROF_SELF_TGID
+#define KVPROF_SELF_TGID 0 /* set by capture to kvprof's own pid */
+#endif
+
+/* An instant row (issue = completion) for the current task, or 0 when the filters, or
+ * kvprof being that task, leave it out. */
+static __always_inline int kvprof_task_row(struct kvprof_io *e)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (tgid == KVPROF_SELF_TGID || !kvprof_task_allowed(tgid))
+        return 0;
+    e->issue_ns = bpf_ktime_get_ns();
+    e->complete_ns = e->issue_ns;
+    e->pid = (u32)id;
+    e->tgid = tgid;
+    e->cgroup_id = bpf_get_current_cgroup_id();
+    bpf_get_current_comm(&e->comm, sizeof(e->comm));
+    return 1;
+}
+
 /* Events go to user space through a ring buffer drained on a timer, without a wake-up per
  * event (wake-ups cost ~8 us each under virtualisation; see shared/reference/perf.md).
  * Probes never nest: the kernel skips a tracepoint program while another runs on the same

@@ -23,9 +23,6 @@ typedef int rwf_t;
 #define KVPROF_CLOSED 0xffffffff
 /* Open file ids given by user space while seeding start here; the kernel counts from 1. */
 #define KVPROF_SEEDED_IDS (1ULL << 40)
-#ifndef KVPROF_SELF_TGID
-#define KVPROF_SELF_TGID 0 /* set by capture to kvprof's own pid */
-#endif
 
 struct file_key {
     u32 tgid;

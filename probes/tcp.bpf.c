@@ -6,10 +6,6 @@
  * socket layer: nothing here sees it. */
 #include "kvprof.h"
 
-#ifndef KVPROF_SELF_TGID
-#define KVPROF_SELF_TGID 0
-#endif
-
 #define KVPROF_TCP_ESTABLISHED 1
 #define KVPROF_TCP_CLOSE 7
 #define KVPROF_IPPROTO_TCP 6
@@ -52,13 +48,9 @@ static __always_inline int tcp_bytes(u64 sk, int protocol, int ret, u8 op)
 {
     if (protocol != KVPROF_IPPROTO_TCP || ret <= 0)
         return 0;
-    u64 id = bpf_get_current_pid_tgid();
-    u32 tgid = id >> 32;
-    if (tgid == KVPROF_SELF_TGID || !kvprof_task_allowed(tgid))
-        return 0;
     struct kvprof_io e = {};
-    e.issue_ns = bpf_ktime_get_ns();
-    e.complete_ns = e.issue_ns;
+    if (!kvprof_task_row(&e))
+        return 0;
     e.bytes = ret;
     e.ctx = sk;
     struct tcp_peer *p = tcp_peer_map.lookup(&sk);
@@ -66,12 +58,8 @@ static __always_inline int tcp_bytes(u64 sk, int protocol, int ret, u8 op)
         e.sector = p->addr_port;
         e.opcode = (u8)p->family;
     }
-    e.pid = (u32)id;
-    e.tgid = tgid;
-    e.cgroup_id = bpf_get_current_cgroup_id();
     e.op = op;
     e.layer = KVPROF_LAYER_TCP;
-    bpf_get_current_comm(&e.comm, sizeof(e.comm));
     kvprof_emit(&e);
     return 0;
 }
