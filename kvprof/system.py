@@ -19,7 +19,8 @@ TRACEPOINTS = {
     "io_uring": ("io_uring/io_uring_submit_req", "io_uring/io_uring_complete"),
     "syscall": tuple(f"syscalls/sys_{side}_{name}" for name in (
         "read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64", "writev",
-        "pwritev", "pwritev2", "fsync", "fdatasync", "openat", "close")
+        "pwritev", "pwritev2", "fsync", "fdatasync", "openat", "close", "dup", "dup2",
+        "dup3", "fcntl")
         for side in ("enter", "exit")),
     "tcp": ("sock/sock_send_length", "sock/sock_recv_length", "sock/inet_sock_set_state"),
 }

@@ -19,8 +19,12 @@ typedef int rwf_t;
 
 #define KVPROF_PATH_MAX 240
 #define KVPROF_IOV_MAX 8
-/* kvprof_open.flags of a close record (no open flags combination has every bit set). */
+/* kvprof_open.flags of a close and of a dup record (no open flags combination has these
+ * bits all set). */
 #define KVPROF_CLOSED 0xffffffff
+#define KVPROF_DUP 0xfffffffe
+#define KVPROF_F_DUPFD 0
+#define KVPROF_F_DUPFD_CLOEXEC 1030
 /* Open file ids given by user space while seeding start here; the kernel counts from 1. */
 #define KVPROF_SEEDED_IDS (1ULL << 40)
 
@@ -50,10 +54,11 @@ struct open_start {
     u32 pad;
 };
 
-/* Mirrored by OPEN_DTYPE in kvprof/capture/ebpf.py. */
+/* Mirrored by OPEN_DTYPE in kvprof/capture/files.py. */
 struct kvprof_open {
     u64 ts_ns;
     u64 id;
+    u64 from_id; /* a dup record: the id of the descriptor it copies */
     u32 tgid;
     s32 fd;
     u32 flags;
@@ -64,6 +69,7 @@ struct kvprof_open {
 BPF_HASH(file_map, struct file_key, struct file_val, KVPROF_START_ENTRIES);
 BPF_HASH(sys_start_map, u32, struct sys_start, KVPROF_START_ENTRIES);
 BPF_HASH(open_start_map, u32, struct open_start, 4096);
+BPF_HASH(dup_start_map, u32, s32, 4096); /* thread -> fd being duplicated */
 BPF_ARRAY(file_ids, u64, 1);
 /* 4 MiB, about 15k open and close records: engines that open a file per chunk access
  * open thousands a second, and the ring is drained every 20 ms. */
@@ -250,6 +256,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat)
     file_map.update(&k, &v);
     rec->ts_ns = bpf_ktime_get_ns();
     rec->id = fid;
+    rec->from_id = 0;
     rec->tgid = k.tgid;
     rec->fd = k.fd;
     rec->flags = oflags;
@@ -257,6 +264,76 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat)
     opens.ringbuf_submit(rec, BPF_RB_NO_WAKEUP);
     return 0;
 }
+
+/* A traced file's descriptor duplicated (dup, dup2, dup3, fcntl F_DUPFD): the copy is traced
+ * too, under an id of its own whose record names the id it copies (so closing one copy
+ * forgets only its own name). */
+static __always_inline int dup_begin(s32 oldfd)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct file_key k = {};
+    k.tgid = id >> 32;
+    k.fd = oldfd;
+    if (!file_map.lookup(&k))
+        return 0;
+    u32 tid = (u32)id;
+    dup_start_map.update(&tid, &oldfd);
+    return 0;
+}
+
+static __always_inline int dup_end(long newfd)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    s32 *oldfd = dup_start_map.lookup(&tid);
+    if (!oldfd)
+        return 0;
+    struct file_key k = {};
+    k.tgid = id >> 32;
+    k.fd = *oldfd;
+    dup_start_map.delete(&tid);
+    struct file_val *f = file_map.lookup(&k);
+    if (newfd < 0 || !f)
+        return 0;
+    u32 zero = 0;
+    u64 *next = file_ids.lookup(&zero);
+    if (!next)
+        return 0;
+    struct kvprof_open *rec = opens.ringbuf_reserve(sizeof(struct kvprof_open));
+    if (!rec) {
+        kvprof_count(KVPROF_LOST_OPEN_RINGBUF);
+        return 0;
+    }
+    struct file_val v = {};
+    v.id = __sync_fetch_and_add(next, 1) + 1;
+    v.flags = f->flags;
+    rec->ts_ns = bpf_ktime_get_ns();
+    rec->id = v.id;
+    rec->from_id = f->id;
+    rec->tgid = k.tgid;
+    rec->fd = (s32)newfd;
+    rec->flags = KVPROF_DUP;
+    rec->pad = 0;
+    rec->path[0] = 0;
+    k.fd = (s32)newfd;
+    file_map.update(&k, &v);
+    opens.ringbuf_submit(rec, BPF_RB_NO_WAKEUP);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_dup) { return dup_begin((s32)args->fildes); }
+TRACEPOINT_PROBE(syscalls, sys_enter_dup2) { return dup_begin((s32)args->oldfd); }
+TRACEPOINT_PROBE(syscalls, sys_enter_dup3) { return dup_begin((s32)args->oldfd); }
+TRACEPOINT_PROBE(syscalls, sys_enter_fcntl)
+{
+    if (args->cmd != KVPROF_F_DUPFD && args->cmd != KVPROF_F_DUPFD_CLOEXEC)
+        return 0;
+    return dup_begin((s32)args->fd);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_dup) { return dup_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_dup2) { return dup_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_dup3) { return dup_end(args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_fcntl) { return dup_end(args->ret); }
 
 #ifdef KVPROF_WRITEBACK
 /* Buffered writes reach the device later, from flush threads: a bio submitted while a
@@ -323,6 +400,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)
     if (rec) {
         rec->ts_ns = bpf_ktime_get_ns();
         rec->id = f->id;
+        rec->from_id = 0;
         rec->tgid = k.tgid;
         rec->fd = k.fd;
         rec->flags = KVPROF_CLOSED;

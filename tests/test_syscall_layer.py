@@ -353,3 +353,42 @@ def test_cufile_calls_per_phase_by_dma_and_compat_mode(start_recorder, tmp_path,
     assert pre["write"]["ios"] == 10 and dec["read"]["ios"] == 16
     assert pre["probes"] == {"cufio_gds_write": 7, "cufio_px_write": 3}
     assert dec["probes"] == {"cufio_gds_read": 11, "cufio_px_read": 5}
+
+
+DUPS = """
+import fcntl, os, sys
+path = sys.argv[1]
+sys.stdin.readline()
+fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+a = os.dup(fd)
+os.write(a, b"a" * 1000)
+b = os.dup2(fd, 100)
+os.write(b, b"b" * 2000)
+c = fcntl.fcntl(fd, fcntl.F_DUPFD, 200)
+os.write(c, b"c" * 3000)
+os.close(fd)  # the copies stay traced, and keep their names
+os.write(b, b"d" * 4000)
+for x in (a, b, c):
+    os.close(x)
+print("ok", flush=True)
+"""
+
+
+@live
+def test_duplicated_descriptors_stay_traced(start_recorder, tmp_path):
+    """Engines hand file descriptors around (dup, dup2, fcntl F_DUPFD): the copies are the
+    same file, traced and named, also after the original is closed."""
+    path = tmp_path / "chunk.bin"
+    user = subprocess.Popen([sys.executable, "-c", DUPS, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    rec = start_recorder("-p", str(user.pid), "--layer", "syscall")
+    assert user.communicate("go\n", timeout=60)[0].strip() == "ok"
+    assert rec.stop() == 0, "".join(rec.stderr_lines)
+    con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
+    try:
+        rows = con.execute("""SELECT path, bytes FROM io WHERE layer = 'syscall'
+                              AND op = 'write' AND tgid = ? ORDER BY issue_ns""",
+                           [user.pid]).fetchall()
+    finally:
+        con.close()
+    assert rows == [(str(path), n) for n in (1000, 2000, 3000, 4000)]

@@ -10,6 +10,7 @@ are found in /proc and put into the map by hand, with ids of their own range.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import threading
@@ -23,12 +24,14 @@ from kvprof import caches
 
 SEEDED_IDS = 1 << 40  # KVPROF_SEEDED_IDS in probes/syscall.bpf.c
 CLOSED = 0xFFFFFFFF  # KVPROF_CLOSED: the record says the file was closed
+DUP = 0xFFFFFFFE  # KVPROF_DUP: a descriptor duplicated from `from_id`
 PATH_MAX = 240  # KVPROF_PATH_MAX
 O_DIRECT = getattr(os, "O_DIRECT", 0o40000)
 
 # Mirrors struct kvprof_open in probes/syscall.bpf.c.
-OPEN_DTYPE = np.dtype([("ts_ns", "<u8"), ("id", "<u8"), ("tgid", "<u4"), ("fd", "<i4"),
-                       ("flags", "<u4"), ("pad", "<u4"), ("path", f"S{PATH_MAX}")])
+OPEN_DTYPE = np.dtype([("ts_ns", "<u8"), ("id", "<u8"), ("from_id", "<u8"), ("tgid", "<u4"),
+                       ("fd", "<i4"), ("flags", "<u4"), ("pad", "<u4"),
+                       ("path", f"S{PATH_MAX}")])
 # Kernel interfaces and devices are not storage an engine offloads to (the probe skips them
 # too, for the paths it sees; this catches them behind relative paths or links). Files in
 # /dev/shm (a tmpfs) are kept.
@@ -64,9 +67,16 @@ class FileTable:
     def opened(self, recs: np.ndarray) -> None:
         """Open records from the kernel, in order."""
         for r in recs.tolist():
-            ts, fid, tgid, fd, flags, _, raw = r
+            ts, fid, from_id, tgid, fd, flags, _, raw = r
             if flags == CLOSED:
                 self._read.add(fid)
+                continue
+            if flags == DUP:
+                f = self.files.get(from_id)
+                if f is not None:
+                    self.files[fid] = dataclasses.replace(f, fd=fd)
+                elif from_id in self.not_regular:
+                    self.not_regular.add(fid)
                 continue
             path = self._absolute(raw.split(b"\0", 1)[0].decode(errors="replace"), tgid, fd)
             regular, inode = self._regular(path)
