@@ -34,8 +34,6 @@ FLAG_META = 1 << 3
 FLAG_RAHEAD = 1 << 4
 # syscall layer: the file was opened with O_DIRECT (no page cache).
 FLAG_DIRECT = 1 << 5
-# block layer: a flush thread's write of an inode's dirty pages (the io row's inode).
-FLAG_WRITEBACK = 1 << 6
 
 # Syscall codes shared with probes/syscall.bpf.c (SYS_*). Index = code.
 SYSCALLS = ("read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64", "writev",
@@ -80,8 +78,7 @@ IO = pa.schema(
         ("bytes_asked", pa.uint64()),
         # syscall layer: the KV cache the file belongs to (kvprof/caches.py), by its path.
         ("cache", pa.string()),
-        # syscall: the file's inode; block: set on a write a flush thread issued while
-        # writing back that inode (flags FLAG_WRITEBACK), so it can be traced to its writer.
+        # syscall: the file's inode, which names it in the writeback table.
         ("inode", pa.uint64()),
     ]
 )

@@ -199,19 +199,6 @@ TRACEPOINT_PROBE(block, block_rq_complete)
     e.flags = v->flags;
     e.op = v->op;
     e.layer = KVPROF_LAYER_BLOCK;
-#ifdef KVPROF_WRITEBACK
-    if (e.op == KVPROF_OP_WRITE) {
-        struct bio_key bk = {};
-        bk.dev = dev;
-        bk.sector = k.sector;
-        u64 *ino = bio_inode_map.lookup(&bk);
-        if (ino) {
-            e.ctx = *ino;
-            e.flags |= KVPROF_FL_WRITEBACK;
-            bio_inode_map.delete(&bk);
-        }
-    }
-#endif
     __builtin_memcpy(e.comm, v->comm, sizeof(e.comm));
     block_start_map.delete(&k);
     kvprof_emit(&e);

@@ -25,8 +25,6 @@
 #define KVPROF_FL_RAHEAD (1 << 4)
 /* syscall layer: the file was opened with O_DIRECT (page cache bypassed). */
 #define KVPROF_FL_DIRECT (1 << 5)
-/* block layer: a write a flush thread issued while writing back an inode (kvprof_io.ctx). */
-#define KVPROF_FL_WRITEBACK (1 << 6)
 /* Start-map entry of a request whose task was filtered out: dropped silently at completion. */
 #define KVPROF_FL_FILTERED (1 << 15)
 
@@ -82,19 +80,6 @@ BPF_HASH(tgid_filter, u32, u8, 1024);
 #endif
 #ifdef KVPROF_FILTER_CGROUP
 BPF_HASH(cgroup_filter, u64, u8, 64);
-#endif
-
-#ifdef KVPROF_WRITEBACK
-/* Writeback attribution (probes/syscall.bpf.c fills these): the inode a thread is writing
- * back, and the inode of each bio it submitted meanwhile, by (dev, sector); a request is
- * found by its first bio's sector. LRU: bios merged into others are never looked up. */
-BPF_HASH(wb_inode_map, u32, u64, 4096);
-struct bio_key {
-    u32 dev;
-    u32 pad;
-    u64 sector;
-};
-BPF_TABLE("lru_hash", struct bio_key, u64, bio_inode_map, KVPROF_START_ENTRIES);
 #endif
 
 static __always_inline void kvprof_count(int idx)

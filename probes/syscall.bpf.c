@@ -337,7 +337,10 @@ TRACEPOINT_PROBE(syscalls, sys_exit_fcntl) { return dup_end(args->ret); }
 
 #ifdef KVPROF_WRITEBACK
 /* Buffered writes reach the device later, from flush threads: a bio submitted while a
- * thread writes back an inode is that inode's, so the block request it starts names it. */
+ * thread writes back an inode is that inode's. Each such bio is recorded with its inode
+ * (requests merge bios of several inodes, so the split is by bio, not by request). */
+BPF_HASH(wb_inode_map, u32, u64, 4096); /* flush thread -> inode it is writing back */
+
 TRACEPOINT_PROBE(writeback, writeback_single_inode_start)
 {
     u32 tid = (u32)bpf_get_current_pid_tgid();
@@ -359,13 +362,7 @@ TRACEPOINT_PROBE(block, block_bio_queue)
     u64 *ino = wb_inode_map.lookup(&tid);
     if (!ino)
         return 0;
-    struct bio_key bk = {};
-    bk.dev = args->dev;
-    bk.sector = args->sector;
     u64 v = *ino;
-    bio_inode_map.update(&bk, &v);
-    /* Requests merge bios of several inodes (files allocated side by side are written back
-     * in one request), so each bio is recorded with its inode: the split is by bio. */
     if (!kvprof_dev_allowed(args->dev))
         return 0;
     struct kvprof_io e = {};

@@ -350,9 +350,6 @@ class Capture:
             values = pa.array([getattr(f, attr) if f else None for f in found] or [None], typ)
             return pa.DictionaryArray.from_arrays(files, values).cast(typ)
 
-        writeback = block & (ev["flags"] & FLAG_WRITEBACK != 0)
-        inode = np.where(writeback, ev["ctx"], 0).astype(np.uint64)
-        file_inode = per_file("inode", pa.uint64())
         cols = {
             "layer": _labels(layer, schema.LAYERS),
             "op": _labels(np.minimum(ev["op"], len(schema.OPS) - 1), schema.OPS),
@@ -379,17 +376,13 @@ class Capture:
             "path": _peers(ev, layer == LAYER_TCP, per_file("path", pa.string())),
             "bytes_asked": pa.array(ev["asked"].astype(np.uint64), mask=~sysc),
             "cache": per_file("cache", pa.string()),
-            "inode": pa.array(np.where(sysc, file_inode.fill_null(0).to_numpy(
-                zero_copy_only=False), inode), pa.uint64(),
-                mask=~(writeback | (sysc & file_inode.is_valid().to_numpy(
-                    zero_copy_only=False)))),
+            "inode": per_file("inode", pa.uint64()),
         }
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO], schema=schema.IO)
 
 
 FLAG_FILTERED = 1 << 15  # KVPROF_FL_FILTERED: entries of tasks the filters leave out
 FLAG_DIRECT = schema.FLAG_DIRECT
-FLAG_WRITEBACK = schema.FLAG_WRITEBACK
 
 
 def _peers(ev: np.ndarray, tcp: np.ndarray, paths: pa.Array) -> pa.Array:
