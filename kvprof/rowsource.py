@@ -30,13 +30,11 @@ from kvprof import rollup, schema
 from kvprof.intervals import busy_islands, busy_islands_ordered
 from kvprof.iocache import IoCache
 from kvprof.rollup import GRID_NS, Rollup
-from kvprof.store import Reader, SessionInfo, phase_windows, session_info
+from kvprof.store import Reader, SessionInfo, missing_columns, phase_windows, session_info
 
 NS = 1_000_000_000
 # A view switched while its SQL still runs: the feed catches this and builds the new view.
 Interrupted = duckdb.InterruptException
-# Raised by a store that is not a readable session (e.g. a table missing in a broken file).
-StoreError = duckdb.Error
 
 Islands = tuple[np.ndarray, np.ndarray]
 IslandsOf = Callable[[str | None], Islands]
@@ -154,6 +152,16 @@ def _where(view: ViewFilter, prefix: str = "") -> tuple[str, list]:
     return " AND ".join(conds), params
 
 
+def _in_view(pieces: Pieces, view: ViewFilter, time_column: str = "issue_ns"
+             ) -> tuple[str, list]:
+    """`_where` plus the view's time bounds, which the whole session does without."""
+    cond, params = _where(view)
+    if pieces.whole:
+        return cond, params
+    return (_and(f"{time_column} >= ? AND {time_column} < ?", cond),
+            [int(pieces.t0), int(pieces.t1), *params])
+
+
 def _and(*conds: str) -> str:
     return " AND ".join(c for c in conds if c)
 
@@ -204,10 +212,7 @@ class SqlRows(RowSource):
             self.cur.unregister("_kv_windows")
 
     def per_phase(self, pieces: Pieces, view: ViewFilter) -> PerPhase:
-        cond, params = _where(view)
-        if not pieces.whole:
-            cond = _and("issue_ns >= ? AND issue_ns < ?", cond)
-            params = [int(pieces.t0), int(pieces.t1), *params]
+        cond, params = _in_view(pieces, view)
         qs = "[" + ", ".join(str(q) for _, q in schema.QUANTILES) + "]"
         # One pass over the joined rows: counts, exact quantiles and both log2 histograms.
         stats = self._joined(pieces, f"""
@@ -229,12 +234,9 @@ class SqlRows(RowSource):
         return PerPhase(stats, islands_of, present)
 
     def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
-        if "cache" not in self._io_columns():
+        if "cache" in missing_columns(self.cur, "io"):
             return []  # recorded before the syscall layer
-        cond, params = _where(view)
-        if not pieces.whole:
-            cond = _and("issue_ns >= ? AND issue_ns < ?", cond)
-            params = [int(pieces.t0), int(pieces.t1), *params]
+        cond, params = _in_view(pieces, view)
         # A thread is in one call at a time, so a block read it issued while in a read call
         # belongs to that call: matched by thread and time.
         return self._joined(pieces, f"""
@@ -257,13 +259,10 @@ class SqlRows(RowSource):
             GROUP BY ALL ORDER BY ALL""", params)
 
     def writeback(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
-        if "inode" not in self._io_columns():
+        if "inode" in missing_columns(self.cur, "io"):
             return []  # recorded before writeback attribution
         # The flush threads are nobody's process: only a device view narrows them.
-        cond, params = _where(ViewFilter(device=view.device))
-        if not pieces.whole:
-            cond = _and("ts_ns >= ? AND ts_ns < ?", cond)
-            params = [int(pieces.t0), int(pieces.t1), *params]
+        cond, params = _in_view(pieces, ViewFilter(device=view.device), "ts_ns")
         # "By file and time": the page a flush thread writes was dirtied by some earlier
         # buffered write to the file; the latest one before the writeback names the phase.
         return self._joined(pieces, f"""
@@ -281,21 +280,13 @@ class SqlRows(RowSource):
             GROUP BY ALL ORDER BY ALL""", params)
 
     def gds_calls(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
-        cond, params = _where(view)
-        if not pieces.whole:
-            cond = _and("issue_ns >= ? AND issue_ns < ?", cond)
-            params = [int(pieces.t0), int(pieces.t1), *params]
+        cond, params = _in_view(pieces, view)
         return self._joined(pieces, f"""
             SELECT w.w_phase, io.syscall, count(*)
             FROM (SELECT issue_ns, syscall FROM io
                   WHERE {_and("layer = 'gds'", cond)}) io
             ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start
             GROUP BY ALL ORDER BY ALL""", params)
-
-    def _io_columns(self) -> set[str]:
-        return {r[0] for r in self.cur.execute(
-            "SELECT column_name FROM information_schema.columns WHERE table_name = 'io'"
-        ).fetchall()}
 
     def _islands(self, t0: int, t1: int, view: ViewFilter, whole: bool):
         """Busy islands from the block requests in flight at any time in [t0, t1), also those
