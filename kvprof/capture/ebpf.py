@@ -252,14 +252,15 @@ class Capture:
 
     def lost(self) -> dict[str, int]:
         if getattr(self, "_lost_final", None) is not None:
-            return dict(self._lost_final)
-        counters = self.bpf["counters"]
-        out = {}
-        for idx, name in COUNTER_NAMES.items():
-            out[name] = int(sum(counters.getvalue(ctypes.c_int(idx))))
-        out["probe_skipped_nested"] = sum(
-            recursion_misses(f.fd) for f in self.bpf.funcs.values() if f.fd is not None)
+            out = dict(self._lost_final)  # the kernel's counters, read before detaching
+        else:
+            counters = self.bpf["counters"]
+            out = {name: int(sum(counters.getvalue(ctypes.c_int(idx))))
+                   for idx, name in COUNTER_NAMES.items()}
+            out["probe_skipped_nested"] = sum(
+                recursion_misses(f.fd) for f in self.bpf.funcs.values() if f.fd is not None)
         if self.files is not None:
+            # Counted here as rows are named, so also by the take() after stop().
             out["syscall_not_regular_file"] = self._not_regular_rows
         return out
 
@@ -325,15 +326,14 @@ class Capture:
         if sysc.any() and self.files is not None:
             # Rows of files found not to be regular files after all: dropped, and said so.
             ids, inv = np.unique(ev["ctx"][sysc], return_inverse=True)
+            inv = inv.reshape(-1)
             found, dropped = self.files.lookup(ids)
-            bad = np.zeros(len(ev), bool)
-            bad[np.flatnonzero(sysc)] = dropped[inv.reshape(-1)]
-            if bad.any():
+            if dropped[inv].any():
+                bad = np.zeros(len(ev), bool)
+                bad[np.flatnonzero(sysc)] = dropped[inv]
                 self._not_regular_rows += int(bad.sum())
-                ev, layer = ev[~bad], layer[~bad]
+                ev, layer, inv = ev[~bad], layer[~bad], inv[~dropped[inv]]
                 sysc = layer == LAYER_SYSCALL
-                ids, inv = np.unique(ev["ctx"][sysc], return_inverse=True)
-                found, _ = self.files.lookup(ids)
         else:
             found, inv = [], np.empty(0, np.int64)
         block = layer == LAYER_BLOCK
@@ -343,7 +343,7 @@ class Capture:
         uniq, dinv = np.unique(np.where(block, devs, 0), return_inverse=True)
         names = [self.device(int(u)).name if u else "" for u in uniq]
         path_idx = np.zeros(len(ev), np.int32)
-        path_idx[sysc] = inv.reshape(-1)
+        path_idx[sysc] = inv
         files = pa.array(path_idx, mask=~sysc)
 
         def per_file(attr: str, typ: pa.DataType) -> pa.Array:

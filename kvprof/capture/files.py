@@ -174,13 +174,3 @@ def _fdinfo_flags(path: Path) -> int:
 
 def all_tgids(proc: Path = Path("/proc")) -> list[int]:
     return [int(d) for d in os.listdir(proc) if d.isdigit()]
-
-
-def cgroup_tgids(cgroup_dirs: Iterable[Path]) -> list[int]:
-    out: list[int] = []
-    for d in cgroup_dirs:
-        try:
-            out += [int(x) for x in (d / "cgroup.procs").read_text().split()]
-        except OSError:
-            continue
-    return out
