@@ -204,7 +204,8 @@ class _Runs:
 
 
 def stats(units: list[Unit]) -> list[tuple]:
-    """Per (phase, layer, op) with rows: what `rowsource.SqlRows.per_phase` returns for the same rows."""
+    """Per (phase, layer, op) with rows: what `rowsource.SqlRows.per_phase` returns for the
+    same rows."""
     out = []
     for p in schema.PHASES:
         mine = [u for u in units if u.phase == p]

@@ -73,7 +73,8 @@ def test_cache_gives_the_report_of_the_sample(sample, window_s):
     fio = next(t for t, c in build_snapshot(SqlRows(con), None, info.end_ns).process_choices
                if c == "fio")
     for now in (info.end_ns, info.start_ns + (info.end_ns - info.start_ns) * 2 // 3):
-        for f in (ViewFilter(), ViewFilter(device=dev), ViewFilter(tgid=fio), ViewFilter(device="none")):
+        for f in (ViewFilter(), ViewFilter(device=dev), ViewFilter(tgid=fio),
+                  ViewFilter(device="none")):
             ours = build_snapshot(LiveRows(SqlRows(con), live), window_s, now, f)
             assert_same_snapshot(ours, build_snapshot(SqlRows(con), window_s, now, f))
             assert_same_report(
@@ -203,7 +204,8 @@ def test_cache_fed_in_completion_order_stays_equal_to_sql():
         now = sess.start + step * NS // 2
         sess.flush_until(now)
         live.cache.refresh(sess.con)
-        for window, f in ((10.0, ViewFilter()), (60.0, ViewFilter()), (None, ViewFilter(device="loop7")),
+        for window, f in ((10.0, ViewFilter()), (60.0, ViewFilter()),
+                          (None, ViewFilter(device="loop7")),
                           (10.0, ViewFilter(tgid=20))):
             if step % 3 and window != 10.0:
                 continue  # every view every third step; the live default every step
