@@ -71,9 +71,9 @@ BPF_HASH(sys_start_map, u32, struct sys_start, KVPROF_START_ENTRIES);
 BPF_HASH(open_start_map, u32, struct open_start, 4096);
 BPF_HASH(dup_start_map, u32, s32, 4096); /* thread -> fd being duplicated */
 BPF_ARRAY(file_ids, u64, 1);
-/* 4 MiB, about 15k open and close records: engines that open a file per chunk access
+/* 16 MiB, about 58k open and close records: engines that open a file per chunk access
  * open thousands a second, and the ring is drained every 20 ms. */
-BPF_RINGBUF_OUTPUT(opens, 1024);
+BPF_RINGBUF_OUTPUT(opens, 4096);
 
 /* The kernel's syscall names, by the code in kvprof_io.opcode (schema.SYSCALLS). */
 #define SYS_READ 0

@@ -29,36 +29,43 @@ from tests.conftest import (
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@live
-@pytest.mark.skipif(shutil.which("mkfs.ext4") is None, reason="needs mkfs.ext4")
-def test_backend_file_io_per_phase_equals_what_the_backends_did(loopdev, start_recorder,
-                                                                tmp_path):
+@pytest.fixture
+def ext4(loopdev, tmp_path):
+    """An ext4 file system on the test's loop device, mounted; yields the mount point."""
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("needs mkfs.ext4")
     mnt = tmp_path / "kv"
     mnt.mkdir()
     subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0",
                     f"/dev/{loopdev}"], check=True)
     subprocess.run(["mount", f"/dev/{loopdev}", str(mnt)], check=True)
     try:
-        # No -p: the block layer must see the flush threads' writeback too. The syscall layer
-        # then follows every process's files; the numbers below are the workload's.
-        rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "syscall")
-        s0 = settle(loopdev)  # attached, and nothing in flight: the kernel's count starts
-        t0 = time.monotonic_ns()
-        # Named as vLLM names its engine core process (setproctitle rewrites the command
-        # line the same way); the marker client it imports needs only the repository.
-        work = subprocess.Popen(["VLLM::EngineCore_DP0", str(ROOT / "tests" / "kv_backends.py"),
-                                 str(mnt), rec.socket], executable=sys.executable,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
-        out, _ = work.communicate("go\n", timeout=120)
-        assert work.returncode == 0
-        did = __import__("json").loads(out)
-        os.sync()  # the buffered chunks reach the device while the recorder still runs
-        s1 = settle(loopdev)
-        assert rec.stop() == 0, "".join(rec.stderr_lines)
-        report = rec.report()
+        yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+@live
+def test_backend_file_io_per_phase_equals_what_the_backends_did(loopdev, ext4, start_recorder):
+    mnt = ext4
+    # No -p: the block layer must see the flush threads' writeback too. The syscall layer
+    # then follows every process's files; the numbers below are the workload's.
+    rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "syscall")
+    s0 = settle(loopdev)  # attached, and nothing in flight: the kernel's count starts
+    t0 = time.monotonic_ns()
+    # Named as vLLM names its engine core process (setproctitle rewrites the command
+    # line the same way); the marker client it imports needs only the repository.
+    work = subprocess.Popen(["VLLM::EngineCore_DP0", str(ROOT / "tests" / "kv_backends.py"),
+                             str(mnt), rec.socket], executable=sys.executable,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out, _ = work.communicate("go\n", timeout=120)
+    assert work.returncode == 0
+    did = __import__("json").loads(out)
+    os.sync()  # the buffered chunks reach the device while the recorder still runs
+    s1 = settle(loopdev)
+    assert rec.stop() == 0, "".join(rec.stderr_lines)
+    report = rec.report()
 
     con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
     try:
@@ -139,6 +146,76 @@ def test_backend_file_io_per_phase_equals_what_the_backends_did(loopdev, start_r
         assert blk["write"][1] == d[WRITE_SECTORS] * 512
         assert blk["read"][1] == d[READ_SECTORS] * 512
 
+
+
+def lmcache_python() -> str | None:
+    """An interpreter that has the real lmcache (and torch): `KVPROF_LMCACHE_PYTHON`, or this
+    one. lmcache is not a dependency of kvprof; its wheel pulls in torch, CUDA libraries,
+    transformers and more, so CI does not install it."""
+    for py in (os.environ.get("KVPROF_LMCACHE_PYTHON"), sys.executable):
+        if py and subprocess.run([py, "-c", "import lmcache.v1.storage_backend."
+                                  "local_disk_backend"], capture_output=True).returncode == 0:
+            return py
+    return None
+
+
+@live
+@pytest.mark.skipif(lmcache_python() is None,
+                    reason="the real lmcache is not installed (it needs torch and more; set "
+                           "KVPROF_LMCACHE_PYTHON to an interpreter that has it)")
+def test_the_real_lmcache_disk_backend_per_phase(loopdev, ext4, start_recorder):
+    """LMCache's own LocalDiskBackend stores chunks in prefill and loads them twice in
+    decode: kvprof's per-phase file I/O of its process equals the chunk files it left, the
+    second load is all page-cache hits, and the flush threads' writeback of its buffered
+    chunks goes back to prefill."""
+    rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "syscall")
+    settle(loopdev)
+    work = subprocess.Popen([lmcache_python(), str(ROOT / "tests" / "lmcache_driver.py"),
+                             str(ext4 / "lmcache"), rec.socket],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out, _ = work.communicate("go\n", timeout=300)
+    assert work.returncode == 0
+    files = __import__("json").loads(out.splitlines()[-1])
+    os.sync()
+    settle(loopdev)
+    assert rec.stop() == 0, "".join(rec.stderr_lines)
+    report = rec.report()
+    stored = sum(files.values())
+    assert len(files) == 6 and all(p.endswith("@bfloat16.pt") for p in files)
+
+    con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
+    try:
+        mine = summarize(SqlRows(con), view=ViewFilter(tgid=work.pid))["phases"]
+        threads = con.execute("""
+            SELECT op, count(DISTINCT pid) FILTER (WHERE pid <> tgid), list(DISTINCT path),
+                   list(DISTINCT cache)
+            FROM io WHERE layer = 'syscall' AND tgid = ? AND path LIKE ? GROUP BY op""",
+                              [work.pid, str(ext4) + "/%"]).fetchall()
+        unnamed = con.execute("SELECT count(*) FROM io WHERE layer = 'syscall' AND tgid = ? "
+                              "AND path IS NULL", [work.pid]).fetchall()[0][0]
+    finally:
+        con.close()
+    print(f"lmcache: stored {stored} bytes in {len(files)} chunks; prefill "
+          f"{mine['prefill']['caches']}; decode {mine['decode']['caches']}")
+    # Every file LMCache touched is one of its chunk files, labelled as its cache; and every
+    # file row of the process is named (torch's import opens thousands, from many threads).
+    assert unnamed == 0
+    assert sorted(op for op, *_ in threads) == ["read", "write"]
+    for op, _, paths, labels in threads:
+        assert sorted(paths) == sorted(files) and labels == ["lmcache-disk"], (op, paths)
+    assert set(mine["prefill"]["caches"]) == set(mine["decode"]["caches"]) == {"lmcache-disk"}
+    wrote = mine["prefill"]["caches"]["lmcache-disk"]["write"]
+    assert wrote["bytes"] == stored
+    assert mine["prefill"]["caches"]["lmcache-disk"].get("read", {}).get("bytes", 0) == 0
+    read = mine["decode"]["caches"]["lmcache-disk"]["read"]
+    assert read["bytes"] == 2 * stored
+    assert read["device_bytes"] == stored and read["page_cache_hit_pct"] == 50.0
+    assert mine["decode"]["caches"]["lmcache-disk"].get("write", {}).get("bytes", 0) == 0
+    # LMCache writes from its disk worker pool (not the thread that asked to store).
+    assert dict((op, n) for op, n, *_ in threads)["write"] >= 1
+    wb = report["phases"]["prefill"]["writeback"]["caches"]
+    assert wb["lmcache-disk"]["bytes"] == stored, wb
 
 BUSY = """
 import os, sys, time
@@ -429,3 +506,50 @@ def test_a_fifo_opened_by_path_is_not_counted_as_file_io(start_recorder, tmp_pat
     # Its 400 calls come right after the open, before user space has looked at it: some are
     # dropped (all, unless the drain thread ran in between), none stored.
     assert stored == 0 and 0 < dropped <= 400
+
+
+OPENERS = """
+import os, sys, threading
+root, n_threads, per_thread = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+paths = [os.path.join(root, f"f{i}") for i in range(n_threads)]
+for p in paths:
+    with open(p, "wb") as f:
+        f.write(b"x" * 100)
+sys.stdin.readline()
+def work(p):
+    for _ in range(per_thread):
+        fd = os.open(p, os.O_RDONLY)
+        os.read(fd, 4096)
+        os.close(fd)
+ts = [threading.Thread(target=work, args=(p,)) for p in paths]
+for t in ts: t.start()
+for t in ts: t.join()
+print(n_threads * per_thread)
+"""
+
+
+@live
+def test_files_opened_by_many_threads_at_once_are_all_named(start_recorder, tmp_path):
+    """Threads opening, reading and closing files all at once, as a framework's import does:
+    an open record one thread has reserved but not yet committed holds up the reading of the
+    others' opens, never their rows' names."""
+    root = tmp_path / "files"
+    root.mkdir()
+    work = subprocess.Popen([sys.executable, "-c", OPENERS, str(root), "8", "3000"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    rec = start_recorder("-p", str(work.pid), "--layer", "syscall")
+    out, _ = work.communicate("go\n", timeout=120)
+    assert rec.stop() == 0, "".join(rec.stderr_lines)
+    report = rec.report()
+    con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
+    try:
+        named, unnamed = con.execute("""
+            SELECT count(*) FILTER (WHERE path LIKE ?), count(*) FILTER (WHERE path IS NULL)
+            FROM io WHERE layer = 'syscall' AND syscall = 'read'""",
+                                     [str(root) + "/%"]).fetchall()[0]
+    finally:
+        con.close()
+    print(f"{out.strip()} opens+reads from 8 threads: {named} named, {unnamed} unnamed, lost "
+          f"{report['session']['lost_by_reason']}")
+    assert unnamed == 0
+    assert_kernel_count(named, int(out), report)

@@ -154,6 +154,8 @@ class Capture:
         self.files: FileTable | None = None
         self._opens: RingReader | None = None
         self._not_regular_rows = 0
+        self._held = np.empty(0, EVENT_DTYPE)  # rows waiting for their file's open record
+        self._held_age = np.empty(0, np.int32)
         if "syscall" in layers:
             opens = self.bpf["opens"]
             self._opens = RingReader(opens.map_fd, int(opens.max_entries), OPEN_DTYPE)
@@ -268,7 +270,7 @@ class Capture:
         """The rows drained since the last call, by table (io, and writeback bios)."""
         # Files whose rows were all in the batches before this: named below, then forgotten.
         closed = self.files.closed_since() if self.files is not None else set()
-        batches = []
+        batches = [self._held] if len(self._held) else []
         while self._batches:
             batches.append(self._batches.popleft())
         procs = []
@@ -279,7 +281,7 @@ class Capture:
             if self.files is not None:
                 self.files.forget(closed)
             return out
-        ev = np.concatenate(batches)
+        ev = self._hold_unnamed(np.concatenate(batches))
         bios = ev["layer"] == LAYER_WRITEBACK
         if bios.any():
             out["writeback"] = self._writeback_batch(ev[bios])
@@ -290,6 +292,31 @@ class Capture:
         if self.files is not None:
             self.files.forget(closed)
         return out
+
+    def _hold_unnamed(self, ev: np.ndarray) -> np.ndarray:
+        """Rows of files whose open record has not been read yet are held for the next take:
+        the drain stops at an open record another thread has reserved but not yet committed,
+        so a committed open behind it (and the rows of its file, read from the other ring)
+        can be a drain late. Held for at most HOLD_TAKES takes, and never after stop()."""
+        held_age = self._held_age
+        self._held, self._held_age = ev[:0], held_age[:0]
+        if self.files is None or getattr(self, "_lost_final", None) is not None:
+            return ev
+        sysc = np.flatnonzero(ev["layer"] == LAYER_SYSCALL)
+        if not len(sysc):
+            return ev
+        ids, inv = np.unique(ev["ctx"][sysc], return_inverse=True)
+        unknown = np.array([not self.files.known(i) for i in ids.tolist()], bool)
+        late = sysc[unknown[inv.reshape(-1)]]
+        if not len(late):
+            return ev
+        age = np.zeros(len(ev), np.int32)
+        age[:len(held_age)] = held_age  # held rows come first (take() puts them there)
+        late = late[age[late] < HOLD_TAKES]
+        keep = np.ones(len(ev), bool)
+        keep[late] = False
+        self._held, self._held_age = ev[late], age[late] + 1
+        return ev[keep]
 
     def _writeback_batch(self, ev: np.ndarray) -> pa.RecordBatch:
         devs = ev["dev"]
@@ -381,6 +408,9 @@ class Capture:
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO], schema=schema.IO)
 
 
+# Takes (FLUSH_INTERVAL_S apart) a row of a not yet named file waits for its open record
+# before it is stored without a path.
+HOLD_TAKES = 8
 FLAG_FILTERED = 1 << 15  # KVPROF_FL_FILTERED: entries of tasks the filters leave out
 FLAG_DIRECT = schema.FLAG_DIRECT
 

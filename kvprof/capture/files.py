@@ -157,6 +157,10 @@ class FileTable:
             self.files.pop(fid, None)
             self.not_regular.discard(fid)
 
+    def known(self, fid: int) -> bool:
+        """Whether the id's open record has been read (named, or found not a file)."""
+        return fid in self.files or fid in self.not_regular
+
     def lookup(self, ids: np.ndarray) -> tuple[list[OpenFile | None], np.ndarray]:
         """The files of the unique ids (None when unknown), and which ids are not regular
         files."""
