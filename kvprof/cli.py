@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("record", help="trace storage I/O and phase marks into a session",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _record_args(p)
+    p.add_argument("--no-events", dest="events", action="store_false",
+                   help="no per-I/O rows for the block and io_uring layers: only their exact "
+                        "in-kernel counts and histograms per second and phase (the cheapest "
+                        "way to stay attached)")
 
     p = sub.add_parser("top", help="live dashboard while recording (same options as record),"
                                    " or --replay a recorded session",
@@ -131,11 +135,11 @@ def cmd_record(args) -> int:
     opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
                          cgroups=args.cgroup, layers=_layers(args),
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
-                         caches=args.caches)
+                         caches=args.caches, events=args.events)
     if args.ebpf:
         from kvprof.capture.ebpf import build_program
 
-        prog = build_program(opts.layers, resolve_filters(opts))
+        prog = build_program(opts.layers, resolve_filters(opts), device_events=opts.events)
         print("// cflags: " + " ".join(prog.cflags))
         print(prog.text)
         return 0

@@ -140,6 +140,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
         for p, probe, n in rows.gds_calls(pieces, view):
             phases[p]["gds"]["probes"][probe] = int(n)
     lost = {k: int(v) for k, v in info.lost.items()}
+    exact = _exact(rows, phases, pieces, view, info)
     return {
         "session": {
             "id": info.session_id,
@@ -159,7 +160,81 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             "processes": rows.processes(),
         },
         "phases": phases,
+        "exact": exact,
     }
+
+
+def _slot_bounds(slot: int) -> tuple[int, int]:
+    """A log2 histogram slot's [low, high) (schema.IO_AGG): slot 0 is the value 0."""
+    return (0, 1) if slot == 0 else (1 << (slot - 1), 1 << slot)
+
+
+def _hist_dict(hist: np.ndarray) -> dict[str, int]:
+    return {str(_slot_bounds(i)[0]): int(n) for i, n in enumerate(hist) if n}
+
+
+def _hist_quantiles(hist: np.ndarray, scale: float) -> dict[str, float | None]:
+    """Per quantile, the upper bound of the slot it falls in: the value is below it."""
+    total = int(hist.sum())
+    out: dict[str, float | None] = {}
+    cum = np.cumsum(hist)
+    for name, q in schema.QUANTILES:
+        if not total:
+            out[name] = None
+            continue
+        slot = int(np.searchsorted(cum, q * total))
+        out[name] = _slot_bounds(min(slot, len(hist) - 1))[1] / scale
+    return out
+
+
+def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
+           info: SessionInfo) -> dict | None:
+    """The aggregate tier's figures (every block and io_uring request, counted in the kernel
+    whatever the event tier kept) per phase: the phase kvprof had been told by marks when a
+    request was issued, over whole seconds. None where it does not apply: a process view
+    (the kernel counts devices, not processes) or a session recorded without it."""
+    if view.tgid is not None or not info.config.get("aggregate"):
+        return None
+    got = rows.aggregate(pieces.t0, pieces.t1, pieces.whole, view.device)
+    if got is None:
+        return None
+    agg, busy = got
+    out: dict = {"phases": {p: {layer: {} for layer in schema.DEVICE_LAYERS}
+                            for p in schema.PHASES}, "totals": {}}
+    sums: dict[tuple[str, str, str], list] = {}
+    for p, layer, op, ios, nbytes, queue_ns, service_ns, size, queue, service in agg:
+        acc = sums.setdefault((p, layer, op), [0, 0, 0, 0, 0, 0, 0])
+        for i, v in enumerate((ios, nbytes, queue_ns, service_ns)):
+            acc[i] += int(v)
+        for i, h in enumerate((size, queue, service), start=4):
+            acc[i] = acc[i] + np.asarray(h, np.int64)
+    for (p, layer, op), (ios, nbytes, queue_ns, service_ns, size, queue, service) in \
+            sorted(sums.items()):
+        t = phases[p]["time_s"]
+        out["phases"][p][layer][op] = {
+            "ios": ios, "bytes": nbytes,
+            "bandwidth_bytes_per_s": nbytes / t if t > 0 else 0.0,
+            "iops": ios / t if t > 0 else 0.0,
+            "mean_queue_us": queue_ns / ios / 1e3 if ios else None,
+            "mean_service_us": service_ns / ios / 1e3 if ios else None,
+            "service_us_below": _hist_quantiles(service, 1e3),
+            "size_hist": _hist_dict(size),
+            "queue_hist_ns": _hist_dict(queue),
+            "service_hist_ns": _hist_dict(service),
+        }
+        tot = out["totals"].setdefault(layer, {}).setdefault(op, {"ios": 0, "bytes": 0})
+        tot["ios"] += ios
+        tot["bytes"] += nbytes
+    for p in schema.PHASES:
+        out["phases"][p]["devices"] = {}
+    for p, dev, ns in busy:
+        t = phases[p]["time_s"]
+        out["phases"][p]["devices"][dev] = {
+            "busy_s": int(ns) / 1e9,
+            "time_idle_pct": max(0.0, 100.0 * (1 - int(ns) / 1e9 / t)) if t > 0 else None}
+    out["phase_rule"] = ("phase kvprof had been told by marks when the request was issued; "
+                         "whole seconds")
+    return out
 
 
 def _caches(phases: dict, rows: list[tuple]) -> None:

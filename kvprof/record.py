@@ -42,6 +42,9 @@ class RecordOptions:
     socket: str | None = None
     phases: list[str] = field(default_factory=list)  # --phases specs; empty = auto
     caches: list[str] = field(default_factory=list)  # --cache NAME=GLOB, before the built-ins
+    # Per-I/O rows of the device layers (block, io_uring); without them only the aggregate
+    # tier counts those layers (--no-events).
+    events: bool = True
 
 
 def default_out() -> Path:
@@ -132,7 +135,9 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 if opts.phases:  # asked for by name: say so and stop
                     raise
                 log(f"kvprof: phase source {spec} not used: {e}")
-        capture = Capture(opts.layers, filters, cache_rules=cache_rules)
+        capture = Capture(opts.layers, filters, cache_rules=cache_rules,
+                          device_events=opts.events)
+        marks.on_phase = capture.set_phase
         start_ns = time.monotonic_ns()
         offset = time.time_ns() - time.monotonic_ns()
         row = {
@@ -150,7 +155,9 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                                   "pids": opts.pids, "cgroups": opts.cgroups,
                                   "socket": str(marks.path),
                                   "phase_sources": ["marks", *(str(sp) for sp, _ in sources)],
-                                  "caches": [[r.name, r.glob] for r in cache_rules]}),
+                                  "caches": [[r.name, r.glob] for r in cache_rules],
+                                  "device_events": opts.events,
+                                  "aggregate": capture.aggregate is not None}),
             "lost": "{}",
             "sources": "[]",
             "status": "recording",

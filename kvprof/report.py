@@ -88,6 +88,7 @@ def to_text(summary: dict, name: str = "") -> str:
                     f"{_pct(rd['page_cache_hit_pct']).replace(' ', ''):>8}"
                     f"{human_bytes(wr['bytes']):>11}{wr['bandwidth_bytes_per_s'] / 2**20:>8.1f}"
                     f"{100 * direct:>7.0f}%")
+    lines += _exact_lines(summary.get("exact"))
     lines.insert(3, "phase sources: " + ", ".join(s["phase_sources"]))
     for src, problems in s["source_problems"].items():
         lines.insert(4, f"  {src}: " + ", ".join(f"{k.split('.', 1)[-1]} {v}"
@@ -111,3 +112,27 @@ def to_text(summary: dict, name: str = "") -> str:
                                     subsequent_indent="    ")
             lines += [w.replace("\0", " ") for w in wrapped]
     return "\n".join(lines) + "\n"
+
+
+def _exact_lines(exact: dict | None) -> list[str]:
+    """The aggregate tier: every device-layer request, counted in the kernel."""
+    if not exact or not exact["totals"]:
+        return []
+    lines = ["", "exact counts (in-kernel, every request; phase as marked at issue):",
+             f"  {'phase':<9}{'layer':<9}{'op':<6}{'ios':>9}{'bytes':>11}{'MiB/s':>8}"
+             f"{'IOPS':>8}{'mean':>8}{'p99<':>8}"]
+    for p in schema.PHASES:
+        ph = exact["phases"][p]
+        for layer in schema.DEVICE_LAYERS:
+            for op, e in ph[layer].items():
+                if not e["ios"]:
+                    continue
+                lines.append(
+                    f"  {p:<9}{layer:<9}{op:<6}{e['ios']:>9}{human_bytes(e['bytes']):>11}"
+                    f"{e['bandwidth_bytes_per_s'] / 2**20:>8.1f}{e['iops']:>8.0f}"
+                    f"{human_us(e['mean_service_us']):>8}"
+                    f"{human_us(e['service_us_below']['p99']):>8}")
+        if ph["devices"]:
+            idle = "  ".join(f"{d} {_pct(v['time_idle_pct'])}" for d, v in ph["devices"].items())
+            lines.append(f"  {p:<9}time idle: {idle}"[:WIDTH])
+    return lines

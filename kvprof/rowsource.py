@@ -128,6 +128,14 @@ class RowSource:
         """The session's processes: tgid, comm, role (kvprof/roles.py) and command line."""
         raise NotImplementedError
 
+    def aggregate(self, t0: int, t1: int, whole: bool, device: str | None
+                  ) -> tuple[list[tuple], list[tuple]] | None:
+        """The aggregate tier's seconds in [t0, t1) (all of them for the whole session):
+        (phase, layer, op, ios, bytes, queue ns, service ns, size, queue and service log2
+        histograms) and per device (phase, device, busy ns); None for a session recorded
+        without it."""
+        raise NotImplementedError
+
     def refresh(self) -> None:
         """Take in rows stored since the last call (a live cache); nothing for SQL."""
 
@@ -193,6 +201,28 @@ class SqlRows(RowSource):
                                 ).to_arrow_table().to_pylist()
         except duckdb.CatalogException:
             return []  # recorded before process roles
+
+    def aggregate(self, t0: int, t1: int, whole: bool, device: str | None
+                  ) -> tuple[list[tuple], list[tuple]] | None:
+        conds, params = [], []
+        if not whole:
+            # Whole seconds: a second belongs to the range its start lies in.
+            conds.append("ts_ns >= ? AND ts_ns < ?")
+            params += [int(t0), int(t1)]
+        if device is not None:
+            conds.append("dev_name = ?")
+            params.append(device)
+        where = ("WHERE " + " AND ".join(conds)) if conds else ""
+        try:
+            agg = self.cur.execute(f"""
+                SELECT phase, layer, op, ios, bytes, queue_ns, service_ns, size_hist,
+                       queue_hist, service_hist FROM io_agg {where}""", params).fetchall()
+            busy = self.cur.execute(f"""
+                SELECT phase, dev_name, sum(busy_ns)::UBIGINT FROM device_busy {where}
+                GROUP BY ALL ORDER BY ALL""", params).fetchall()
+        except duckdb.CatalogException:
+            return None  # recorded before the aggregate tier
+        return agg, busy
 
     def row_count(self) -> int:
         return self.cur.execute("SELECT count(*) FROM io").fetchall()[0][0]
@@ -396,6 +426,10 @@ class LiveRows(RowSource):
 
     def processes(self) -> list[dict]:
         return self.sql.processes()
+
+    def aggregate(self, t0: int, t1: int, whole: bool, device: str | None
+                  ) -> tuple[list[tuple], list[tuple]] | None:
+        return self.sql.aggregate(t0, t1, whole, device)
 
     def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         # The row cache keeps no paths: syscall rows are few beside block rows, SQL it is.

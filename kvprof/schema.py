@@ -196,6 +196,44 @@ ENGINE_METRIC = pa.schema(
     ]
 )
 
+# The aggregate tier (probes/kvprof.h, kvprof/capture/aggregate.py): every block and io_uring
+# request counted in the kernel, per completion second, phase, layer, op and device, whatever
+# the event tier kept. The phase is kvprof's current phase (from marks) when the request was
+# issued. Histograms are log2: slot 0 holds the value 0, slot s >= 1 holds [2^(s-1), 2^s),
+# the last slot also everything above.
+AGG_SLOTS = 40
+IO_AGG = pa.schema(
+    [
+        ("ts_ns", pa.int64()),  # the second's start, CLOCK_MONOTONIC ns
+        ("phase", pa.string()),
+        ("layer", pa.string()),
+        ("op", pa.string()),
+        ("dev_major", pa.uint32()),  # block only
+        ("dev_minor", pa.uint32()),
+        ("dev_name", pa.string()),
+        ("ios", pa.uint64()),
+        ("bytes", pa.uint64()),
+        ("queue_ns", pa.uint64()),  # insert -> issue, summed
+        ("service_ns", pa.uint64()),  # issue -> completion (io_uring: submit -> completion)
+        ("size_hist", pa.list_(pa.uint32())),  # bytes
+        ("queue_hist", pa.list_(pa.uint32())),  # ns
+        ("service_hist", pa.list_(pa.uint32())),  # ns
+    ]
+)
+
+# Time each block device had a request in flight, per second and phase (the kernel's io_ticks
+# view, counted in the kernel at every request start and completion).
+DEVICE_BUSY = pa.schema(
+    [
+        ("ts_ns", pa.int64()),
+        ("phase", pa.string()),
+        ("dev_major", pa.uint32()),
+        ("dev_minor", pa.uint32()),
+        ("dev_name", pa.string()),
+        ("busy_ns", pa.uint64()),
+    ]
+)
+
 # Every session has these; the others came later and are absent from older recordings.
 CORE_TABLES = ("io", "phase", "session")
 
@@ -206,7 +244,7 @@ PHASE_OPEN = PHASE
 
 TABLES = {"io": IO, "phase": PHASE, "session": SESSION, "gpu": GPU, "kv_event": KV_EVENT,
           "engine_metric": ENGINE_METRIC, "phase_open": PHASE_OPEN, "writeback": WRITEBACK,
-          "process": PROCESS}
+          "process": PROCESS, "io_agg": IO_AGG, "device_busy": DEVICE_BUSY}
 
 _DUCK = {
     pa.string(): "VARCHAR",
@@ -217,6 +255,7 @@ _DUCK = {
     pa.int32(): "INTEGER",
     pa.int64(): "BIGINT",
     pa.float64(): "DOUBLE",
+    pa.list_(pa.uint32()): "UINTEGER[]",
 }
 
 

@@ -17,7 +17,7 @@ struct block_start {
     u32 bytes;
     u16 flags;
     u8 op;
-    u8 pad;
+    u8 phase; /* kvprof's phase when the request started (aggregate tier) */
     char comm[16];
 };
 
@@ -80,9 +80,21 @@ static __always_inline void track(struct block_key *k, u32 bytes, const char *rw
     v.insert_ns = insert_ns;
     v.issue_ns = issue_ns;
     v.bytes = bytes;
+    v.phase = kvprof_phase_now();
     parse_rwbs(rwbs, &v.op, &v.flags);
     fill_task(&v);
     block_start_map.update(k, &v);
+    if (!(v.flags & KVPROF_FL_FILTERED))
+        kvprof_dev_tick(k->dev, insert_ns ? insert_ns : issue_ns, 1);
+}
+
+/* A request we held as in flight whose completion the kernel never let us see: it is over
+ * (for the device's in-flight count) by the time it is seen starting again. */
+static __always_inline void forget_unseen(struct block_key *k, struct block_start *v, u64 now)
+{
+    kvprof_count(KVPROF_LOST_BLOCK_NOT_SEEN);
+    if (!(v->flags & KVPROF_FL_FILTERED))
+        kvprof_dev_tick(k->dev, now, -1);
 }
 
 TRACEPOINT_PROBE(block, block_rq_insert)
@@ -96,9 +108,10 @@ TRACEPOINT_PROBE(block, block_rq_insert)
     struct block_start *found = block_start_map.lookup(&k);
     if (found && !found->issue_ns)
         return 0; /* inserted again before issue (a requeue): keep the first insert */
+    u64 now = bpf_ktime_get_ns();
     if (found)
-        kvprof_count(KVPROF_LOST_BLOCK_NOT_SEEN);
-    track(&k, args->bytes, args->rwbs, bpf_ktime_get_ns(), 0);
+        forget_unseen(&k, found, now);
+    track(&k, args->bytes, args->rwbs, now, 0);
     return 0;
 }
 
@@ -119,7 +132,7 @@ TRACEPOINT_PROBE(block, block_rq_issue)
         return 0;
     }
     if (found) /* issued before and its completion never seen: start afresh */
-        kvprof_count(KVPROF_LOST_BLOCK_NOT_SEEN);
+        forget_unseen(&k, found, now);
     /* Not inserted first: it went straight to the driver. */
     track(&k, args->bytes, args->rwbs, 0, now);
     return 0;
@@ -179,7 +192,8 @@ TRACEPOINT_PROBE(block, block_rq_complete)
         e.dev = dev;
         e.error = args->error;
         e.layer = KVPROF_LAYER_BLOCK;
-        kvprof_emit(&e);
+        kvprof_agg(KVPROF_LAYER_BLOCK, e.op, dev, kvprof_phase_now(), 0, 0, 0, now);
+        kvprof_emit_device(&e);
         return 0;
     }
     if (v->flags & KVPROF_FL_FILTERED) {
@@ -200,7 +214,12 @@ TRACEPOINT_PROBE(block, block_rq_complete)
     e.op = v->op;
     e.layer = KVPROF_LAYER_BLOCK;
     __builtin_memcpy(e.comm, v->comm, sizeof(e.comm));
+    u8 phase = v->phase;
     block_start_map.delete(&k);
-    kvprof_emit(&e);
+    kvprof_agg(KVPROF_LAYER_BLOCK, e.op, dev, phase, e.bytes,
+               e.insert_ns && v->issue_ns ? v->issue_ns - e.insert_ns : 0,
+               now - e.issue_ns, now);
+    kvprof_dev_tick(dev, now, -1);
+    kvprof_emit_device(&e);
     return 0;
 }

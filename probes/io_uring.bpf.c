@@ -9,7 +9,8 @@ struct uring_start {
     u32 pid;
     u32 tgid;
     u8 opcode;
-    u8 pad[7];
+    u8 phase; /* kvprof's phase at submission (aggregate tier) */
+    u8 pad[6];
     char comm[16];
 };
 
@@ -45,6 +46,7 @@ TRACEPOINT_PROBE(io_uring, io_uring_submit_req)
     v.pid = (u32)id;
     v.tgid = tgid;
     v.opcode = opcode;
+    v.phase = kvprof_phase_now();
     bpf_get_current_comm(&v.comm, sizeof(v.comm));
     uring_start_map.update(&key, &v);
     return 0;
@@ -72,7 +74,10 @@ TRACEPOINT_PROBE(io_uring, io_uring_complete)
     e.opcode = v->opcode;
     e.layer = KVPROF_LAYER_IO_URING;
     __builtin_memcpy(e.comm, v->comm, sizeof(e.comm));
+    u8 phase = v->phase;
     uring_start_map.delete(&key);
-    kvprof_emit(&e);
+    kvprof_agg(KVPROF_LAYER_IO_URING, e.op, 0, phase, e.bytes, 0, e.complete_ns - e.issue_ns,
+               e.complete_ns);
+    kvprof_emit_device(&e);
     return 0;
 }

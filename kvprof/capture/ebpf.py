@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import caches, schema
+from kvprof.capture.aggregate import AggregateReader
 from kvprof.capture.files import OPEN_DTYPE, FileTable, all_tgids
 from kvprof.capture.gds import NAMES as GDS_PROBES
 from kvprof.capture.gds import find_cufile, usdt_contexts
@@ -53,7 +54,7 @@ PROBE_FILES = {"block": "block.bpf.c", "io_uring": "io_uring.bpf.c",
                "syscall": "syscall.bpf.c", "tcp": "tcp.bpf.c", "gds": "gds.bpf.c"}
 COUNTER_NAMES = {0: "ringbuf_reserve_failed", 1: "block_unmatched_completion",
                  2: "block_completion_not_seen", 3: "io_uring_completion_not_seen",
-                 4: "syscall_open_ring_full"}
+                 4: "syscall_open_ring_full", 5: "aggregate_map_full"}
 START_MAPS = {"block": ("block_start_map", "block_completion_not_seen"),
               "io_uring": ("uring_start_map", "io_uring_completion_not_seen"),
               "syscall": ("sys_start_map", "syscall_completion_not_seen")}
@@ -89,7 +90,7 @@ class ProbeProgram:
 
 
 def build_program(layers: tuple[str, ...], filters: CaptureFilter,
-                  ringbuf_pages: int = RINGBUF_PAGES) -> ProbeProgram:
+                  ringbuf_pages: int = RINGBUF_PAGES, device_events: bool = True) -> ProbeProgram:
     d = probe_dir()
     # bcc rewrites map calls (events.ringbuf_output, ...) only in the main text, not in
     # #included files, so the shared header is placed in front of the probes instead.
@@ -98,6 +99,8 @@ def build_program(layers: tuple[str, ...], filters: CaptureFilter,
         parts.append((d / PROBE_FILES[layer]).read_text().replace(f'#include "{HEADER}"\n', ""))
     text = "\n".join(parts)
     cflags = [f"-DKVPROF_RINGBUF_PAGES={int(ringbuf_pages)}"]
+    if not device_events:
+        cflags.append("-DKVPROF_NO_DEVICE_EVENTS")
     if {"syscall", "tcp", "gds"} & set(layers):
         cflags.append(f"-DKVPROF_SELF_TGID={os.getpid()}")
         if "block" in layers:
@@ -116,13 +119,14 @@ class Capture:
 
     def __init__(self, layers: tuple[str, ...], filters: CaptureFilter,
                  ringbuf_pages: int = RINGBUF_PAGES,
-                 cache_rules: tuple[caches.Rule, ...] = caches.BUILTIN):
+                 cache_rules: tuple[caches.Rule, ...] = caches.BUILTIN,
+                 device_events: bool = True):
         from kvprof.capture.bccload import load_bcc
 
         self.bcc = load_bcc()
         self.layers = layers
         self.filters = filters
-        self.program = build_program(layers, filters, ringbuf_pages)
+        self.program = build_program(layers, filters, ringbuf_pages, device_events)
         usdt: list = []
         if "gds" in layers:
             lib = find_cufile()
@@ -161,7 +165,16 @@ class Capture:
             self._opens = RingReader(opens.map_fd, int(opens.max_entries), OPEN_DTYPE)
             self.files = FileTable(self._forget, cache_rules)
             self._seed_files()
+        self.aggregate: AggregateReader | None = None
+        self._agg_final: dict[str, pa.RecordBatch] = {}
+        if {"block", "io_uring"} & set(layers):
+            self.aggregate = AggregateReader(self.bpf, self.device)
         self._thread = threading.Thread(target=self._drain_loop, name="kvprof-drain", daemon=True)
+
+    def set_phase(self, phase: str) -> None:
+        """The phase the aggregate tier counts requests issued from now on under."""
+        if self.aggregate is not None and not self._stop.is_set():
+            self.aggregate.set_phase(phase)
 
     def _fill_filters(self) -> None:
         one = ctypes.c_uint8(1)
@@ -233,9 +246,14 @@ class Capture:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
-        # Let in-flight requests complete so their events are emitted before detaching.
+        # Let in-flight requests complete so their events are emitted before detaching, then
+        # detach the tracepoints: everything they emitted is in the rings and the maps.
         time.sleep(0.05)
+        for tp in list(self.bpf.tracepoint_fds):
+            self.bpf.detach_tracepoint(tp)
         self._drain()
+        if self.aggregate is not None:
+            self._agg_final = self.aggregate.take(final=True)
         lost = self.lost()
         # Requests still held as in flight were never seen completing: skipped completion
         # probes, or I/O in flight at the moment of detaching. Either way, not recorded.
@@ -277,6 +295,12 @@ class Capture:
         while self._proc_rows:
             procs.append(self._proc_rows.popleft())
         out = {"process": pa.concat_tables(procs)} if procs else {}
+        if self.aggregate is not None:
+            if self._stop.is_set():
+                out.update(self._agg_final)  # taken at stop(), before the maps went
+                self._agg_final = {}
+            else:
+                out.update(self.aggregate.take())
         if not batches:
             if self.files is not None:
                 self.files.forget(closed)

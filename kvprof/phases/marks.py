@@ -12,6 +12,7 @@ import os
 import socket
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,22 +91,24 @@ class WindowBuilder:
                 "engine": m.engine, "gpu": None, "prefill_tokens": m.prefill_tokens,
                 "decode_tokens": m.decode_tokens, "confidence": 1.0}
 
-    def add(self, m: Mark) -> None:
+    def add(self, m: Mark) -> bool:
+        """Take a mark; True when it switched its engine's current phase."""
         if m.ts_ns is None:
             if m.phase != "idle":
                 self.rows.append(self._row(m, m.start_ns, m.end_ns))  # type: ignore[arg-type]
-            return
+            return False
         key = (m.source, m.engine)
         prev = self.open.get(key)
         if prev is not None:
             if m.ts_ns < prev.ts_ns:  # type: ignore[operator]
                 self.out_of_order += 1
-                return
+                return False
             if m.ts_ns > prev.ts_ns:  # type: ignore[operator]
                 self.rows.append(self._row(prev, prev.ts_ns, m.ts_ns))  # type: ignore[arg-type]
             del self.open[key]
         if m.phase != "idle":
             self.open[key] = m
+        return True
 
     def open_rows(self, now_ns: int) -> list[dict]:
         """The open windows as rows ending now (not consumed: they go on)."""
@@ -153,6 +156,9 @@ class MarkServer:
         self.builder = WindowBuilder()
         self.received = 0
         self.malformed = 0
+        # Called (in the receiving thread) with the phase of each transition mark taken: the
+        # aggregate tier counts in the kernel under the phase kvprof was last told.
+        self.on_phase: Callable[[str], None] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -185,9 +191,12 @@ class MarkServer:
         with self._lock:
             self.received += 1
             try:
-                self.builder.add(decode(data))
+                m = decode(data)
             except ValueError:
                 self.malformed += 1
+                return
+            if self.builder.add(m) and self.on_phase is not None:
+                self.on_phase(m.phase)
 
     def take(self) -> dict[str, pa.Table]:
         with self._lock:
