@@ -4,8 +4,10 @@
 
 For each round: fio without kvprof, fio with `kvprof record` attached, fio without again, on
 a private loop device over /dev/shm (4 KiB random reads, io_uring QD32, and psync QD1). Prints
-IOPS and the attached/baseline ratio. Then times
-`kvprof report` on the recorded session against a bare DuckDB scan of the same table.
+IOPS and the attached/baseline ratio, for each capture mode: `events` (the default: the
+aggregate tier plus a row per I/O) and `aggregate` (`--no-events`: only the in-kernel counts),
+and how long attaching and detaching took. Then times `kvprof report` on the recorded session
+against a bare DuckDB scan of the same table.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+MODES = {"events": [], "aggregate": ["--no-events"]}
 JOBS = {
     "io_uring QD32": ["--ioengine=io_uring", "--iodepth=32"],
     "psync QD1": ["--ioengine=psync", "--iodepth=1"],
@@ -38,6 +41,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--runtime", type=int, default=5)
+    ap.add_argument("--mode", action="append", choices=tuple(MODES),
+                    help="capture modes to measure (default: all)")
+    ap.add_argument("--job", action="append", choices=tuple(JOBS),
+                    help="fio jobs to run (default: all)")
+    ap.add_argument("--record-arg", action="append", default=[], metavar="ARG",
+                    help="passed on to kvprof record (e.g. --record-arg=--layer=block)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvprof-bench-"))
     backing = Path(f"/dev/shm/kvprof-bench-{os.getpid()}.img")
@@ -48,25 +57,39 @@ def main() -> int:
     session = None
     try:
         for name, extra in JOBS.items():
-            ratios = []
-            for r in range(args.rounds):
-                before = fio_iops(dev, extra, args.runtime)
-                session = tmp / f"{name.split()[0]}-{r}"
-                rec = subprocess.Popen([sys.executable, "-m", "kvprof", "record", "-d", dev,
-                                        "-o", str(session), "--socket", str(tmp / "m.sock")],
-                                       stderr=subprocess.PIPE, text=True)
-                for line in rec.stderr:
-                    if "Hit Ctrl-C" in line:
-                        break
-                attached = fio_iops(dev, extra, args.runtime)
-                rec.send_signal(signal.SIGINT)
-                rec.communicate(timeout=120)
-                after = fio_iops(dev, extra, args.runtime)
-                base = (before + after) / 2
-                ratios.append(attached / base)
-                print(f"{name:<14} round {r}: baseline {before:9.0f} / {after:9.0f} IOPS, "
-                      f"attached {attached:9.0f} IOPS, ratio {attached / base:.3f}", flush=True)
-            print(f"{name:<14} median attached/baseline ratio {statistics.median(ratios):.3f}")
+            if args.job and name not in args.job:
+                continue
+            for mode, flags in MODES.items():
+                if args.mode and mode not in args.mode:
+                    continue
+                ratios = []
+                for r in range(args.rounds):
+                    before = fio_iops(dev, extra, args.runtime)
+                    session = tmp / f"{name.split()[0]}-{mode}-{r}"
+                    t = time.perf_counter()
+                    rec = subprocess.Popen([sys.executable, "-m", "kvprof", "record", "-d", dev,
+                                            "-o", str(session), "--socket",
+                                            str(tmp / "m.sock"), *flags,
+                                            *args.record_arg],
+                                           stderr=subprocess.PIPE, text=True)
+                    for line in rec.stderr:
+                        if "Hit Ctrl-C" in line:
+                            break
+                    attach = time.perf_counter() - t
+                    attached = fio_iops(dev, extra, args.runtime)
+                    t = time.perf_counter()
+                    rec.send_signal(signal.SIGINT)
+                    rec.communicate(timeout=120)
+                    detach = time.perf_counter() - t
+                    after = fio_iops(dev, extra, args.runtime)
+                    base = (before + after) / 2
+                    ratios.append(attached / base)
+                    print(f"{name:<14} {mode:<9} round {r}: baseline {before:9.0f} / "
+                          f"{after:9.0f} IOPS, attached {attached:9.0f} IOPS, ratio "
+                          f"{attached / base:.3f}; attach {attach:.1f} s, detach {detach:.1f} s",
+                          flush=True)
+                print(f"{name:<14} {mode:<9} median attached/baseline ratio "
+                      f"{statistics.median(ratios):.3f}", flush=True)
         import duckdb
 
         db = str(session / "session.duckdb")

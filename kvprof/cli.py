@@ -36,6 +36,9 @@ def _record_args(p: argparse.ArgumentParser) -> None:
                         "--cgroup also the processes' file syscalls, TCP bytes, and cuFile "
                         "calls where libcufile is installed)")
     p.add_argument("--duration", type=float, help="stop after this many seconds")
+    p.add_argument("--max-size", type=_size, metavar="SIZE",
+                   help="end the recording cleanly once the session takes this much disk "
+                        "(e.g. 500M, 20G)")
     p.add_argument("--socket", help="marker socket path (default: $KVPROF_SOCKET or "
                                     "/run/kvprof/marks.sock)")
     p.add_argument("--phases", dest="phase_sources", action="append", default=[],
@@ -58,6 +61,20 @@ TOP_EXAMPLES = """examples:
 keys: space pause/play, w window (10 s/60 s/session), d device, p process,
       e export Parquet, left/right scrub, +/- speed, ? help, q quit
 """
+
+
+def _size(text: str) -> int:
+    """A size for --max-size: bytes, or a number with K, M, G or T (powers of 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+    try:
+        value = float(num) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500M, 20G)") from None
+    if value < 1 << 20:
+        raise argparse.ArgumentTypeError(f"{text!r} is below 1M, too small for a session")
+    return int(value)
 
 
 def _layers(args) -> tuple[str, ...]:
@@ -135,7 +152,7 @@ def cmd_record(args) -> int:
     opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
                          cgroups=args.cgroup, layers=_layers(args),
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
-                         caches=args.caches, events=args.events)
+                         caches=args.caches, events=args.events, max_size=args.max_size)
     if args.ebpf:
         from kvprof.capture.ebpf import build_program
 
@@ -165,7 +182,7 @@ def cmd_top(args) -> int:
     opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
                          cgroups=args.cgroup, layers=_layers(args),
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
-                         caches=args.caches)
+                         caches=args.caches, max_size=args.max_size)
     return run_live(opts, interval_s=args.interval)
 
 

@@ -45,6 +45,7 @@ class RecordOptions:
     # Per-I/O rows of the device layers (block, io_uring); without them only the aggregate
     # tier counts those layers (--no-events).
     events: bool = True
+    max_size: int | None = None  # bytes on disk at which the recording ends (--max-size)
 
 
 def default_out() -> Path:
@@ -187,6 +188,10 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 break
             now = _drain(store, capture, feeds)
             flushes += 1
+            if opts.max_size is not None and _disk_bytes(out) >= opts.max_size:
+                log(f"kvprof: the session reached --max-size ({opts.max_size >> 20} MiB); "
+                    "ending the recording")
+                break
             row["end_ns"] = now
             if flushes % LOST_EVERY == 0:  # live views show losses while they happen
                 row.update(lost=json.dumps(capture.lost() | marks.counts()))
@@ -237,6 +242,17 @@ def _drain(store: Store, capture, feeds: tuple, closed: bool = False) -> int:
     # Open windows are rewritten at every flush so live views see the phase in progress.
     store.replace_open_windows([] if closed else [r for src in feeds for r in src.open_rows(now)])
     return now
+
+
+def _disk_bytes(out: Path) -> int:
+    """What the session takes on disk now: its DuckDB file and write-ahead log."""
+    total = 0
+    for f in (out / DB_FILE, out / (DB_FILE + ".wal")):
+        try:
+            total += f.stat().st_blocks * 512
+        except OSError:
+            pass
+    return total
 
 
 def _status(src) -> dict:

@@ -14,6 +14,7 @@ from kvprof import schema
 from kvprof.errors import EX_DATAERR, EX_NOINPUT, EX_USAGE, KvprofError
 
 DB_FILE = "session.duckdb"
+WRITER_MEMORY = "128MB"
 
 
 def db_path(session: str | Path) -> Path:
@@ -35,7 +36,10 @@ class Store:
             raise KvprofError(f"{d} already holds a session; choose another -o", EX_USAGE)
         try:
             d.mkdir(parents=True, exist_ok=True)
-            con = duckdb.connect(str(d / DB_FILE))
+            # DuckDB's default memory limit is 80 % of RAM, and a writer keeps what it wrote
+            # cached up to it: RSS would grow with the recording. Past the limit, written
+            # blocks are evicted to the file and big live queries spill to its temp folder.
+            con = duckdb.connect(str(d / DB_FILE), config={"memory_limit": WRITER_MEMORY})
         except (OSError, duckdb.Error) as e:
             raise KvprofError(f"cannot create session in {d}: {e}", EX_USAGE) from None
         for name in schema.TABLES:

@@ -113,3 +113,31 @@ def test_exact_per_phase_follows_marks(loopdev, start_recorder):
         assert abs(idle_exact - idle_events) < 0.5
     assert not exact["prefill"]["block"].get("read", {}).get("ios")
     assert not exact["decode"]["block"].get("write", {}).get("ios")
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="needs fio")
+def test_max_size_ends_the_recording_cleanly(loopdev, start_recorder, tmp_path):
+    """A recording that fills its disk budget ends by itself, like Ctrl-C: the session is
+    complete and readable, and its exact counts cover the I/O up to the end."""
+    rec = start_recorder("-d", loopdev, "--max-size", "3M")
+    fio = subprocess.Popen(["fio", "--name=fill", f"--filename=/dev/{loopdev}", "--rw=randread",
+                            "--bs=4k", "--direct=1", "--ioengine=io_uring", "--iodepth=8",
+                            "--time_based", "--runtime=60", "--size=200M"],
+                           stdout=subprocess.DEVNULL)
+    try:
+        rc = rec.proc.wait(60)
+    finally:
+        fio.kill()
+        fio.wait()
+    rec._reader.join(5)
+    assert rc == 0, "".join(rec.stderr_lines)
+    assert any("reached --max-size" in line for line in rec.stderr_lines)
+    report = rec.report()
+    size = sum(f.stat().st_size for f in rec.out.iterdir())
+    rows = report["phases"]["idle"]["block"]["read"]["ios"]
+    print(f"ended at {size / 2**20:.1f} MiB on disk after {report['session']['duration_s']:.1f}"
+          f" s, {rows} event rows, exact {report['exact']['totals']['block']['read']['ios']}")
+    assert report["session"]["status"] == "complete"
+    assert 3 << 20 <= size < 24 << 20
+    assert report["session"]["duration_s"] < 50
+    assert report["exact"]["totals"]["block"]["read"]["ios"] >= rows > 0

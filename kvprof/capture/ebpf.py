@@ -143,6 +143,7 @@ class Capture:
         except Exception as e:  # noqa: BLE001 - bcc raises bare Exception on compile/load
             raise KvprofError(f"loading the BPF probes failed: {e}", EX_UNAVAILABLE) from None
         self._fill_filters()
+        _release_compiler_memory()
         # deque: append (drain thread) and popleft (take) are each atomic, so no batch can
         # land in a list that take() has already swapped out.
         self._batches: deque[np.ndarray] = deque()
@@ -437,6 +438,15 @@ class Capture:
 HOLD_TAKES = 8
 FLAG_FILTERED = 1 << 15  # KVPROF_FL_FILTERED: entries of tasks the filters leave out
 FLAG_DIRECT = schema.FLAG_DIRECT
+
+
+def _release_compiler_memory() -> None:
+    """Compiling the probes (clang/LLVM inside bcc) leaves ~200 MB of freed heap that glibc
+    keeps mapped; a long recording should not carry it."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
 
 
 def _peers(ev: np.ndarray, tcp: np.ndarray, paths: pa.Array) -> pa.Array:

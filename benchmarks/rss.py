@@ -1,0 +1,83 @@
+"""Memory of a long recording: RSS of `kvprof record` sampled every second while fio keeps a
+loop device over /dev/shm busy (4 KiB random reads, io_uring, a fixed rate).
+
+    sudo .venv/bin/python benchmarks/rss.py [--minutes 10] [--rate 100000] [--no-events]
+
+Prints RSS after attaching, then every minute, and the growth per minute over the second
+half (the first minutes include DuckDB's and the row caches' warm-up), with the session's
+size on disk.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--minutes", type=float, default=10)
+    ap.add_argument("--rate", type=int, default=100_000, help="fio IOPS")
+    ap.add_argument("--no-events", action="store_true")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="kvprof-rss-"))
+    backing = Path(f"/dev/shm/kvprof-rss-{os.getpid()}.img")
+    backing.write_bytes(b"")
+    os.truncate(backing, 256 << 20)
+    dev = subprocess.run(["losetup", "--find", "--show", str(backing)], check=True,
+                         capture_output=True, text=True).stdout.strip()
+    session = tmp / "session"
+    rec = subprocess.Popen([sys.executable, "-m", "kvprof", "record", "-d", dev, "-o",
+                            str(session), "--socket", str(tmp / "m.sock"),
+                            *(["--no-events"] if args.no_events else [])],
+                           stderr=subprocess.PIPE, text=True)
+    fio = None
+    try:
+        for line in rec.stderr:
+            if "Hit Ctrl-C" in line:
+                break
+        seconds = int(args.minutes * 60)
+        fio = subprocess.Popen(["fio", "--name=rss", f"--filename={dev}", "--rw=randread",
+                                "--bs=4k", "--direct=1", "--ioengine=io_uring", "--iodepth=32",
+                                f"--rate_iops={args.rate}", "--time_based",
+                                f"--runtime={seconds}", "--size=200M"],
+                               stdout=subprocess.DEVNULL)
+        samples = []
+        t0 = time.monotonic()
+        print(f"attached: RSS {rss_mib(rec.pid):.0f} MiB", flush=True)
+        while fio.poll() is None:
+            time.sleep(1)
+            samples.append((time.monotonic() - t0, rss_mib(rec.pid)))
+            if len(samples) % 60 == 0:
+                size = (session / "session.duckdb").stat().st_size / 2**20
+                print(f"{samples[-1][0] / 60:4.1f} min: RSS {samples[-1][1]:.0f} MiB, "
+                      f"session {size:.0f} MiB", flush=True)
+        half = samples[len(samples) // 2:]
+        if len(half) >= 2:
+            slope = (half[-1][1] - half[0][1]) / max(1e-9, (half[-1][0] - half[0][0]) / 60)
+            print(f"RSS max {max(r for _, r in samples):.0f} MiB, last {samples[-1][1]:.0f} "
+                  f"MiB; growth over the second half {slope:+.1f} MiB/min")
+    finally:
+        if fio is not None and fio.poll() is None:
+            fio.kill()
+        rec.send_signal(signal.SIGINT)
+        rec.communicate(timeout=300)
+        subprocess.run(["losetup", "-d", dev], check=False)
+        backing.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
