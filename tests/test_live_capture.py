@@ -174,7 +174,13 @@ def test_time_idle_matches_io_ticks(loopdev, start_recorder, tmp_path):
               f"kvprof {(100 - ours) * window_ms / 100:.0f}, fio {fio_ms}")
         # fio's own clock: the reads kept something in flight for as long as fio ran.
         busy_ms = (100 - ours) * window_ms / 100
-        assert abs(busy_ms - fio_ms) <= 0.1 * fio_ms, (ours, fio_ms, window_ms)
+        if abs(busy_ms - fio_ms) > 0.1 * fio_ms:
+            # Unless fio itself was starved of CPU (two cores, shared with the recorder and
+            # whatever else runs): then the kernel's io_ticks sees the same idle stretches
+            # kvprof does, and the run says nothing. kvprof away from both fails at once.
+            assert abs(ours - kernel_idle) <= 2.0, (ours, kernel_idle, fio_ms, window_ms)
+            print("fio kept the device busy for less than it ran; measuring again")
+            continue
         # Once in a few dozen runs the kernel's io_ticks counts nearly the whole window busy
         # (seen: 96 % with sector and read-tick counts of exactly 2 s of reads). That is the
         # kernel's figure going wrong, not the workload: measure again.
@@ -182,9 +188,14 @@ def test_time_idle_matches_io_ticks(loopdev, start_recorder, tmp_path):
             break
         print(f"kernel io_ticks implausible for this script, measuring again: {delta}")
     else:
-        pytest.fail(f"kernel io_ticks implausible in 3 runs (last {kernel_idle:.1f} % idle)")
+        pytest.fail(f"no plausible run in 3 (last: kvprof {ours:.1f} % idle, io_ticks "
+                    f"{kernel_idle:.1f} %, fio {fio_ms} ms of {window_ms:.0f} ms)")
     assert abs(ours - kernel_idle) <= 2.0, (ours, kernel_idle)
     assert report["phases"]["decode"]["block"]["devices"][loopdev]["time_idle_pct"] == ours
+    # The aggregate tier's busy time, accounted in the kernel as io_ticks is.
+    exact = report["exact"]["phases"]["decode"]["devices"][loopdev]["time_idle_pct"]
+    print(f"time idle % from the aggregate tier: {exact:.2f}")
+    assert abs(exact - kernel_idle) <= 2.0, (exact, kernel_idle)
 
 
 def test_marks_from_another_process_keep_sender_timestamps(loopdev, start_recorder):
