@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -21,6 +20,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from loopdev import loop_device
 
 MODES = {"events": [], "aggregate": ["--no-events"]}
 JOBS = {
@@ -49,13 +50,8 @@ def main() -> int:
                     help="passed on to kvprof record (e.g. --record-arg=--layer=block)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvprof-bench-"))
-    backing = Path(f"/dev/shm/kvprof-bench-{os.getpid()}.img")
-    backing.write_bytes(b"")
-    os.truncate(backing, 256 << 20)
-    dev = subprocess.run(["losetup", "--find", "--show", str(backing)], check=True,
-                         capture_output=True, text=True).stdout.strip()
     session = None
-    try:
+    with loop_device("bench") as dev:
         for name, extra in JOBS.items():
             if args.job and name not in args.job:
                 continue
@@ -110,9 +106,6 @@ def main() -> int:
         print(f"report on {n} I/O rows: {rep:.2f} s (of which interpreter+imports "
               f"{startup:.2f} s); bare scan {bare:.3f} s; ratio (report - startup)/bare "
               f"{(rep - startup) / bare:.1f}")
-    finally:
-        subprocess.run(["losetup", "-d", dev], check=False)
-        backing.unlink(missing_ok=True)
     return 0
 
 

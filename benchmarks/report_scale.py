@@ -11,22 +11,12 @@ layer counts, exact quantiles, histograms, time idle from busy islands) and a ba
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
-from snapshot_build import NS, Synth, make_session
+from snapshot_build import NS, Synth, make_session, timed
 
 from kvprof.correlate import summarize
 from kvprof.rowsource import SqlRows
-
-
-def timed(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main() -> None:

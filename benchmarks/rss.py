@@ -10,13 +10,14 @@ size on disk.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from loopdev import loop_device
 
 
 def rss_mib(pid: int) -> float:
@@ -33,12 +34,12 @@ def main() -> int:
     ap.add_argument("--no-events", action="store_true")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvprof-rss-"))
-    backing = Path(f"/dev/shm/kvprof-rss-{os.getpid()}.img")
-    backing.write_bytes(b"")
-    os.truncate(backing, 256 << 20)
-    dev = subprocess.run(["losetup", "--find", "--show", str(backing)], check=True,
-                         capture_output=True, text=True).stdout.strip()
     session = tmp / "session"
+    with loop_device("rss") as dev:
+        return _run(args, tmp, session, dev)
+
+
+def _run(args, tmp: Path, session: Path, dev: str) -> int:
     rec = subprocess.Popen([sys.executable, "-m", "kvprof", "record", "-d", dev, "-o",
                             str(session), "--socket", str(tmp / "m.sock"),
                             *(["--no-events"] if args.no_events else [])],
@@ -74,8 +75,6 @@ def main() -> int:
             fio.kill()
         rec.send_signal(signal.SIGINT)
         rec.communicate(timeout=300)
-        subprocess.run(["losetup", "-d", dev], check=False)
-        backing.unlink(missing_ok=True)
     return 0
 
 
