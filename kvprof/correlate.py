@@ -141,6 +141,9 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             phases[p]["gds"]["probes"][probe] = int(n)
     lost = {k: int(v) for k, v in info.lost.items()}
     exact = _exact(rows, phases, pieces, view, info)
+    events = info.config.get("device_events", True)
+    if not events and exact is not None:
+        _from_exact(phases, exact)
     return {
         "session": {
             "id": info.session_id,
@@ -157,6 +160,9 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             "source_problems": {s["source"]: s["problems"] for s in info.sources
                                 if s["problems"]},
             "writeback_unattributed": unattributed,
+            # False: recorded with --no-events; the device layers' figures are the exact
+            # section's, without exact percentiles.
+            "device_events": events,
             "processes": rows.processes(),
         },
         "phases": phases,
@@ -235,6 +241,29 @@ def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
     out["phase_rule"] = ("phase kvprof had been told by marks when the request was issued; "
                          "whole seconds")
     return out
+
+
+def _from_exact(phases: dict, exact: dict) -> None:
+    """A session recorded without device-layer events: the device layers' per-phase figures
+    from the aggregate tier. Percentiles stay null (the kernel kept log2 histograms, not the
+    values); size histograms have the events' buckets (powers of two)."""
+    for p in schema.PHASES:
+        for layer in schema.DEVICE_LAYERS:
+            for op, e in exact["phases"][p][layer].items():
+                entry = phases[p][layer].setdefault(op, _op_entry(0, 0, phases[p]["time_s"]))
+                entry.update(_op_entry(e["bytes"], e["ios"], phases[p]["time_s"]))
+                entry["size_hist"] = {k: n for k, n in e["size_hist"].items() if k != "0"}
+                # The log2 slot the 99th percentile of service time falls in: below this.
+                entry["p99_below_us"] = e["service_us_below"]["p99"]
+        devs = exact["phases"][p]["devices"]
+        block = phases[p]["block"]
+        for dev, d in devs.items():
+            block["devices"].setdefault(dev, {})["time_idle_pct"] = d["time_idle_pct"]
+        # All devices together: the union of their busy time, known only for one device.
+        if len(block["devices"]) == 1:
+            block["time_idle_pct"] = next(iter(block["devices"].values()))["time_idle_pct"]
+        elif len(block["devices"]) > 1:
+            block["time_idle_pct"] = None
 
 
 def _caches(phases: dict, rows: list[tuple]) -> None:

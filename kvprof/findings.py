@@ -42,6 +42,9 @@ def phase_finding(phase: str, ph: dict) -> str | None:
     common = max(e["size_hist"].items(), key=lambda kv: kv[1], default=(mean_size, 0))[0]
     size = size_label(int(common))
     p99 = e["latency_us"]["p99"]
+    # Recorded without events: only the kernel's log2 histogram bounds the percentile.
+    p99_txt = f"p99 = {human_us(p99)}" if p99 is not None or "p99_below_us" not in e else \
+        f"p99 < {human_us(e['p99_below_us'])}"
     bw = f"{human_bytes(e['bandwidth_bytes_per_s'])}/s"
     noun = f"{phase} {op}s" + ("" if layer == "block" else f" ({layer})")
     idle_txt = "" if idle is None else f" while the device is {idle:.0f} % idle"
@@ -49,9 +52,9 @@ def phase_finding(phase: str, ph: dict) -> str | None:
         return (f"{noun} are bandwidth-bound at {bw} ({size} requests, "
                 f"device busy {100 - idle:.0f} % of the phase)")
     if mean_size < SMALL_BYTES and (idle is None or 100 - idle < BUSY_PCT):
-        return f"{noun} are latency-bound at p99 = {human_us(p99)}{idle_txt}"
+        return f"{noun} are latency-bound at {p99_txt}{idle_txt}"
     return (f"{noun}: {bw} in {size} requests, {e['iops']:.0f} IOPS, "
-            f"p99 = {human_us(p99)}{idle_txt}")
+            f"{p99_txt}{idle_txt}")
 
 
 def findings(summary: dict) -> dict[str, str]:

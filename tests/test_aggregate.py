@@ -67,14 +67,18 @@ def test_exact_totals_equal_diskstats_at_full_rate(loopdev, start_recorder, tmp_
     assert 0 <= job["read"]["total_ios"] - exact["io_uring"]["read"]["ios"] <= \
         report["session"]["lost_by_reason"].get("io_uring_completion_not_seen", 0) + \
         report["session"]["lost_by_reason"].get("probe_skipped_nested", 0)
-    if not events:
-        assert rows == 0  # the device layers left no per-I/O rows
     con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
     try:
         secs = con.execute("SELECT count(DISTINCT ts_ns) FROM io_agg WHERE layer = 'block'"
                            ).fetchall()[0][0]
+        stored = con.execute("SELECT count(*) FROM io").fetchall()[0][0]
     finally:
         con.close()
+    assert report["session"]["device_events"] is events
+    if not events:
+        # No per-I/O rows: the report's per-phase figures are the exact ones.
+        assert stored == 0 and rows == ours["ios"]
+        assert report["phases"]["idle"]["block"]["read"]["latency_us"]["p99"] is None
     assert 2 <= secs <= 4  # per-second rows over a 2 s run
 
 
