@@ -52,7 +52,7 @@ def _run(args, tmp: Path, session: Path, dev: str) -> int:
         seconds = int(args.minutes * 60)
         fio = subprocess.Popen(["fio", "--name=rss", f"--filename={dev}", "--rw=randread",
                                 "--bs=4k", "--direct=1", "--ioengine=io_uring", "--iodepth=32",
-                                f"--rate_iops={args.rate}", "--time_based",
+                                f"--rate_iops={args.rate}", "--thread", "--time_based",
                                 f"--runtime={seconds}", "--size=200M"],
                                stdout=subprocess.DEVNULL)
         samples = []

@@ -124,9 +124,11 @@ def test_max_size_ends_the_recording_cleanly(loopdev, start_recorder, tmp_path):
     """A recording that fills its disk budget ends by itself, like Ctrl-C: the session is
     complete and readable, and its exact counts cover the I/O up to the end."""
     rec = start_recorder("-d", loopdev, "--max-size", "3M")
+    # --thread: the job runs inside the process killed below (a forked job would go on
+    # loading the machine for the rest of its minute, under the tests that follow).
     fio = subprocess.Popen(["fio", "--name=fill", f"--filename=/dev/{loopdev}", "--rw=randread",
                             "--bs=4k", "--direct=1", "--ioengine=io_uring", "--iodepth=8",
-                            "--time_based", "--runtime=60", "--size=200M"],
+                            "--thread", "--time_based", "--runtime=60", "--size=200M"],
                            stdout=subprocess.DEVNULL)
     try:
         rc = rec.proc.wait(60)
