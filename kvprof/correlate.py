@@ -205,7 +205,7 @@ def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
     if got is None:
         return None
     agg, busy = got
-    out: dict = {"phases": {p: {layer: {} for layer in schema.DEVICE_LAYERS}
+    out: dict = {"phases": {p: {**{layer: {} for layer in schema.DEVICE_LAYERS}, "devices": {}}
                             for p in schema.PHASES}, "totals": {}}
     sums: dict[tuple[str, str, str], list] = {}
     for p, layer, op, ios, nbytes, queue_ns, service_ns, size, queue, service in agg:
@@ -231,8 +231,6 @@ def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
         tot = out["totals"].setdefault(layer, {}).setdefault(op, {"ios": 0, "bytes": 0})
         tot["ios"] += ios
         tot["bytes"] += nbytes
-    for p in schema.PHASES:
-        out["phases"][p]["devices"] = {}
     for p, dev, ns in busy:
         t = phases[p]["time_s"]
         out["phases"][p]["devices"][dev] = {

@@ -42,9 +42,10 @@ def phase_finding(phase: str, ph: dict) -> str | None:
     common = max(e["size_hist"].items(), key=lambda kv: kv[1], default=(mean_size, 0))[0]
     size = size_label(int(common))
     p99 = e["latency_us"]["p99"]
-    # Recorded without events: only the kernel's log2 histogram bounds the percentile.
-    p99_txt = f"p99 = {human_us(p99)}" if p99 is not None or "p99_below_us" not in e else \
-        f"p99 < {human_us(e['p99_below_us'])}"
+    p99_txt = f"p99 = {human_us(p99)}"
+    if p99 is None and "p99_below_us" in e:
+        # Recorded without events: only the kernel's log2 histogram bounds the percentile.
+        p99_txt = f"p99 < {human_us(e['p99_below_us'])}"
     bw = f"{human_bytes(e['bandwidth_bytes_per_s'])}/s"
     noun = f"{phase} {op}s" + ("" if layer == "block" else f" ({layer})")
     idle_txt = "" if idle is None else f" while the device is {idle:.0f} % idle"

@@ -106,7 +106,7 @@ class AggregateReader:
             return None
         rows = []
         for k in keys:
-            rows.append((k.sec, k.dev, k.phase, sum(v for v in self._busy.getvalue(k))))
+            rows.append((k.sec, k.dev, k.phase, sum(self._busy.getvalue(k))))
             del self._busy[k]
         sec, dev, phase, ns = zip(*rows)
         cols = {

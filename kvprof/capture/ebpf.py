@@ -325,7 +325,7 @@ class Capture:
         can be a drain late. Held for at most HOLD_TAKES takes, and never after stop()."""
         held_age = self._held_age
         self._held, self._held_age = ev[:0], held_age[:0]
-        if self.files is None or getattr(self, "_lost_final", None) is not None:
+        if self.files is None or self._stop.is_set():  # stopped: every open has been read
             return ev
         sysc = np.flatnonzero(ev["layer"] == LAYER_SYSCALL)
         if not len(sysc):
