@@ -138,7 +138,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 log(f"kvprof: phase source {spec} not used: {e}")
         capture = Capture(opts.layers, filters, cache_rules=cache_rules,
                           device_events=opts.events)
-        marks.on_phase = capture.set_phase
+        marks.follow(capture.set_phase)
         start_ns = time.monotonic_ns()
         offset = time.time_ns() - time.monotonic_ns()
         row = {

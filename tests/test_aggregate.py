@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
 import time
 
 import duckdb
@@ -148,3 +149,27 @@ def test_max_size_ends_the_recording_cleanly(loopdev, start_recorder, tmp_path):
     assert 1 << 20 <= size < 24 << 20
     assert report["session"]["duration_s"] < 50
     assert report["exact"]["totals"]["block"]["read"]["ios"] >= rows > 0
+
+
+def test_a_mark_sent_while_the_probes_compile_sets_the_kernels_phase(loopdev, start_recorder,
+                                                                     tmp_path):
+    """The marker socket listens before the probes are compiled (a second or more): a mark
+    received meanwhile is the phase the kernel counts under once they attach."""
+    sock = tmp_path / "early.sock"
+
+    def mark_early() -> None:
+        while not sock.exists():
+            time.sleep(0.002)
+        Marker(str(sock), engine="early").mark("prefill")
+
+    sender = threading.Thread(target=mark_early)
+    sender.start()
+    rec = start_recorder("-d", loopdev, name="early")
+    sender.join(5)
+    s0 = settle(loopdev)
+    direct_write(loopdev, 16 << 20)
+    d = stat_delta(s0, settle(loopdev, quiet_s=0.1))
+    assert rec.stop() == 0, "".join(rec.stderr_lines)
+    got = rec.report()["exact"]["phases"]["prefill"]["block"]["write"]
+    print(f"written under the early mark: kernel {d[WRITE_IOS]} ios, exact {got['ios']}")
+    assert (got["ios"], got["bytes"]) == (d[WRITE_IOS], d[WRITE_SECTORS] * 512)

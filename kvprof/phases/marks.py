@@ -156,9 +156,10 @@ class MarkServer:
         self.builder = WindowBuilder()
         self.received = 0
         self.malformed = 0
-        # Called (in the receiving thread) with the phase of each transition mark taken: the
-        # aggregate tier counts in the kernel under the phase kvprof was last told.
-        self.on_phase: Callable[[str], None] | None = None
+        # See follow(): the aggregate tier counts in the kernel under the phase kvprof was
+        # last told.
+        self._on_phase: Callable[[str], None] | None = None
+        self._last_phase: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -195,8 +196,19 @@ class MarkServer:
             except ValueError:
                 self.malformed += 1
                 return
-            if self.builder.add(m) and self.on_phase is not None:
-                self.on_phase(m.phase)
+            if self.builder.add(m):
+                self._last_phase = m.phase
+                if self._on_phase is not None:
+                    self._on_phase(m.phase)
+
+    def follow(self, on_phase: Callable[[str], None]) -> None:
+        """Call `on_phase` (in the receiving thread) with the phase of every transition mark
+        taken from now on, and at once with the last one taken before: marks keep arriving
+        while the probes compile."""
+        with self._lock:
+            self._on_phase = on_phase
+            if self._last_phase is not None:
+                on_phase(self._last_phase)
 
     def take(self) -> dict[str, pa.Table]:
         with self._lock:
