@@ -18,6 +18,18 @@ def _bcc() -> system.Check:
                                      f"{os.path.dirname(mod.__file__)}")
 
 
+def _btf() -> system.Check:
+    """The device probes read struct request and io_kiocb at offsets from the kernel's BTF."""
+    from kvprof.capture.btf import VMLINUX, layout_defines
+
+    try:
+        found = layout_defines(("block", "io_uring"))
+    except KvprofError as e:
+        return system.Check("btf", False, str(e).split(";")[0].split(" (")[0],
+                            "a kernel built with CONFIG_DEBUG_INFO_BTF=y (Linux 6.x)")
+    return system.Check("btf", True, f"{len(found)} request layout values from {VMLINUX}")
+
+
 def _nvml() -> system.Check:
     from kvprof.capture.nvml import nvml_available
 
@@ -43,7 +55,7 @@ def _gds() -> system.Check:
 
 def run_doctor() -> int:
     checks = [system.check_privilege(), system.check_tracefs(), *system.check_tracepoints(),
-              _bcc(), system.check_headers(), _nvml(), _gds()]
+              _btf(), _bcc(), system.check_headers(), _nvml(), _gds()]
     for c in checks:
         mark = "ok  " if c.ok else ("FAIL" if c.required else "warn")
         line = f"{mark} {c.name:<20} {c.detail}"

@@ -126,9 +126,10 @@ def headers_dir() -> Path | None:
 
 
 def headers_fix() -> str:
-    """Debian ships no headers for every kernel build; a tracepoint-only program is safe to
-    compile against the distribution's generic headers because argument layouts come from
-    tracefs, not from the headers."""
+    """Debian ships no headers for every kernel build; kvprof's programs are safe to compile
+    against the distribution's generic headers because no kernel struct layout comes from
+    them: tracepoint arguments come from tracefs, and the raw tracepoints' struct offsets from
+    the kernel's BTF (capture/btf.py)."""
     rel = platform.release()
     generic = sorted(Path("/usr/src").glob("linux-headers-*-amd64")) + sorted(
         Path("/usr/src").glob("linux-headers-*-arm64"))

@@ -1,177 +1,172 @@
-/* Block layer: one record per completed request, from the block_rq_insert / issue /
- * complete tracepoints, matched by (dev, sector) as the bcc tools do on tracepoints. */
+/* Block layer: one record per completed request, from the block_rq_insert / issue / requeue /
+ * complete raw tracepoints, followed by the struct request pointer in the in-flight table.
+ * Raw tracepoints hand over the request itself instead of a formatted record, which costs a
+ * fraction per I/O; its fields are read at offsets from the running kernel's BTF
+ * (KVPROF_RQ_* etc., set by kvprof/capture/btf.py). */
 #include "kvprof.h"
 
-struct block_key {
-    u32 dev;
-    u32 pad;
-    u64 sector;
-};
-
-struct block_start {
-    u64 insert_ns;
-    u64 issue_ns;
-    u64 cgroup_id;
-    u32 pid;
-    u32 tgid;
-    u32 bytes;
-    u16 flags;
-    u8 op;
-    u8 phase; /* kvprof's phase when the request started (aggregate tier) */
-    char comm[16];
-};
-
-/* LRU: a request whose completion we never see (front merge moved its sector, or it was
- * in flight when a filter changed) must not fill the map for good. */
-BPF_TABLE("lru_hash", struct block_key, struct block_start, block_start_map, KVPROF_START_ENTRIES);
-
-/* rwbs as written by the kernel's blk_fill_rwbs(): an optional 'F' (preflush), the op letter
- * (W R D F N, 'DE' for secure erase), then modifiers F(ua) A(head) S(ync) M(eta). */
-static __always_inline void parse_rwbs(const char *src, u8 *op, u16 *flags)
+/* rq->cmd_flags: the op in the low KVPROF_REQ_OP_BITS bits, flags above (numbers from the
+ * kernel's enum req_op and enum req_flag_bits). */
+static __always_inline void decode_cmd(u32 cmd, u8 *op, u16 *flags)
 {
-    char r[8];
-    __builtin_memcpy(r, src, sizeof(r));
+    u32 o = cmd & ((1U << KVPROF_REQ_OP_BITS) - 1);
+    *op = o == KVPROF_REQ_OP_READ ? KVPROF_OP_READ
+        : o == KVPROF_REQ_OP_WRITE ? KVPROF_OP_WRITE
+        : o == KVPROF_REQ_OP_FLUSH ? KVPROF_OP_FLUSH
+        : o == KVPROF_REQ_OP_DISCARD ? KVPROF_OP_DISCARD
+        : KVPROF_OP_OTHER;
     u16 fl = 0;
-    int i = 0;
-    if (r[0] == 'F' && (r[1] == 'W' || r[1] == 'R' || r[1] == 'D' || r[1] == 'N' || r[1] == 'F')) {
-        fl |= KVPROF_FL_PREFLUSH;
-        i = 1;
-    }
-    char c = i ? r[1] : r[0];
-    switch (c) {
-    case 'R': *op = KVPROF_OP_READ; break;
-    case 'W': *op = KVPROF_OP_WRITE; break;
-    case 'D': *op = KVPROF_OP_DISCARD; break;
-    case 'F': *op = KVPROF_OP_FLUSH; break;
-    default: *op = KVPROF_OP_OTHER; break;
-    }
-#pragma unroll
-    for (int j = 1; j < 8; j++) {
-        if (j <= i)
-            continue;
-        switch (r[j]) {
-        case 'F': fl |= KVPROF_FL_FUA; break;
-        case 'A': fl |= KVPROF_FL_RAHEAD; break;
-        case 'S': fl |= KVPROF_FL_SYNC; break;
-        case 'M': fl |= KVPROF_FL_META; break;
-        default: break;
-        }
-    }
+    if (cmd & (1U << KVPROF_REQ_SYNC_BIT)) fl |= KVPROF_FL_SYNC;
+    if (cmd & (1U << KVPROF_REQ_FUA_BIT)) fl |= KVPROF_FL_FUA;
+    if (cmd & (1U << KVPROF_REQ_PREFLUSH_BIT)) fl |= KVPROF_FL_PREFLUSH;
+    if (cmd & (1U << KVPROF_REQ_META_BIT)) fl |= KVPROF_FL_META;
+    if (cmd & (1U << KVPROF_REQ_RAHEAD_BIT)) fl |= KVPROF_FL_RAHEAD;
     *flags = fl;
 }
 
-/* Who asked: only meaningful at insert/issue, which run in the submitter's context;
- * completion runs in interrupt context. */
-static __always_inline void fill_task(struct block_start *v)
+/* The request queue whose disk a CPU saw last: most requests on a CPU go to the same device,
+ * so its number is read from the gendisk once rather than per request. */
+struct queue_dev {
+    u64 q;
+    u32 dev;
+    u32 pad;
+};
+BPF_PERCPU_ARRAY(last_queue, struct queue_dev, 1);
+
+/* The whole disk's dev_t (MKDEV(major, first_minor)), as the block tracepoints report it. */
+static __always_inline u32 rq_dev(void *rq)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    v->pid = (u32)id;
-    v->tgid = id >> 32;
-    v->cgroup_id = bpf_get_current_cgroup_id();
-    bpf_get_current_comm(&v->comm, sizeof(v->comm));
-    if (!kvprof_task_allowed(v->tgid))
-        v->flags |= KVPROF_FL_FILTERED;
+    void *q = KVPROF_FIELD(void *, rq, KVPROF_RQ_Q);
+    int zero = 0;
+    struct queue_dev *last = last_queue.lookup(&zero);
+    if (last && last->q == (u64)q)
+        return last->dev;
+    void *disk = KVPROF_FIELD(void *, q, KVPROF_Q_DISK);
+    if (!disk)
+        return 0;
+    u32 major = KVPROF_FIELD(u32, disk, KVPROF_DISK_MAJOR);
+    u32 minor = KVPROF_FIELD(u32, disk, KVPROF_DISK_FIRST_MINOR);
+    u32 dev = (major << 20) | minor;
+    if (last) {
+        last->q = (u64)q;
+        last->dev = dev;
+    }
+    return dev;
 }
 
-static __always_inline void track(struct block_key *k, u32 bytes, const char *rwbs,
-                                  u64 insert_ns, u64 issue_ns)
-{
-    struct block_start v = {};
-    v.insert_ns = insert_ns;
-    v.issue_ns = issue_ns;
-    v.bytes = bytes;
-    v.phase = kvprof_phase_now();
-    parse_rwbs(rwbs, &v.op, &v.flags);
-    fill_task(&v);
-    block_start_map.update(k, &v);
-    if (!(v.flags & KVPROF_FL_FILTERED))
-        kvprof_dev_tick(k->dev, insert_ns ? insert_ns : issue_ns, 1);
-}
-
-/* A request we held as in flight whose completion the kernel never let us see: it is over
- * (for the device's in-flight count) by the time it is seen starting again. */
-static __always_inline void forget_unseen(struct block_key *k, struct block_start *v, u64 now)
+/* A request we held as in flight whose completion we never saw (the kernel skips a program
+ * that would nest in itself on one CPU): it is over, for the device's in-flight count, by the
+ * time it starts again. */
+static __always_inline void forget_unseen(struct kvprof_inflight *s, u64 now)
 {
     kvprof_count(KVPROF_LOST_BLOCK_NOT_SEEN);
-    if (!(v->flags & KVPROF_FL_FILTERED))
-        kvprof_dev_tick(k->dev, now, -1);
+    if (!(s->flags & KVPROF_FL_FILTERED))
+        kvprof_dev_tick(s->dev, now, -1);
 }
 
-TRACEPOINT_PROBE(block, block_rq_insert)
+/* A request starts: inserted into a scheduler queue (issue_ns 0 for now) or issued straight
+ * to the driver. */
+static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, u64 insert_ns,
+                                  u64 issue_ns)
 {
-    u32 dev = args->dev;
+    u32 cmd = KVPROF_FIELD(u32, rq, KVPROF_RQ_CMD_FLAGS);
+    u16 flags;
+    decode_cmd(cmd, &s->op, &flags);
+    u64 id = bpf_get_current_pid_tgid();
+    if (!kvprof_task_allowed(id >> 32))
+        flags |= KVPROF_FL_FILTERED;
+    s->flags = flags;
+    s->insert_ns = insert_ns;
+    s->issue_ns = issue_ns;
+    s->dev = dev;
+    s->bytes = KVPROF_FIELD(u32, rq, KVPROF_RQ_DATA_LEN);
+    s->done = 0;
+    s->phase = kvprof_phase_now();
+    s->layer = KVPROF_LAYER_BLOCK;
+    kvprof_who(s, id >> 32, (u32)id);
+    if (!(flags & KVPROF_FL_FILTERED))
+        kvprof_dev_tick(dev, insert_ns ? insert_ns : issue_ns, 1);
+}
+
+RAW_TRACEPOINT_PROBE(block_rq_insert)
+{
+    void *rq = (void *)ctx->args[0];
+    u32 dev = rq_dev(rq);
     if (!kvprof_dev_allowed(dev))
         return 0;
-    struct block_key k = {};
-    k.dev = dev;
-    k.sector = args->sector;
-    struct block_start *found = block_start_map.lookup(&k);
-    if (found && !found->issue_ns)
-        return 0; /* inserted again before issue (a requeue): keep the first insert */
+    int found;
+    int slot = kvprof_claim((u64)rq, &found);
+    struct kvprof_inflight *s = kvprof_slot_data(slot);
+    if (!s)
+        return 0;
     u64 now = bpf_ktime_get_ns();
-    if (found)
-        forget_unseen(&k, found, now);
-    track(&k, args->bytes, args->rwbs, now, 0);
+    if (found) {
+        if (!s->issue_ns)
+            return 0; /* inserted again before issue (a requeue): keep the first insert */
+        forget_unseen(s, now);
+    }
+    track(rq, s, dev, now, 0);
     return 0;
 }
 
-TRACEPOINT_PROBE(block, block_rq_issue)
+RAW_TRACEPOINT_PROBE(block_rq_issue)
 {
-    u32 dev = args->dev;
+    void *rq = (void *)ctx->args[0];
+    u32 dev = rq_dev(rq);
     if (!kvprof_dev_allowed(dev))
         return 0;
-    struct block_key k = {};
-    k.dev = dev;
-    k.sector = args->sector;
-    u64 now = bpf_ktime_get_ns();
-    struct block_start *found = block_start_map.lookup(&k);
-    if (found && !found->issue_ns) {
-        /* Merges after insert can grow the request: the issued size is the real one. */
-        found->issue_ns = now;
-        found->bytes = args->bytes;
+    int found;
+    int slot = kvprof_claim((u64)rq, &found);
+    struct kvprof_inflight *s = kvprof_slot_data(slot);
+    if (!s)
         return 0;
+    u64 now = bpf_ktime_get_ns();
+    if (found) {
+        if (!s->issue_ns) {
+            /* Merges after insert can grow the request: the issued size is the real one. */
+            s->issue_ns = now;
+            s->bytes = KVPROF_FIELD(u32, rq, KVPROF_RQ_DATA_LEN);
+            return 0;
+        }
+        forget_unseen(s, now); /* issued before and its completion never seen: start afresh */
     }
-    if (found) /* issued before and its completion never seen: start afresh */
-        forget_unseen(&k, found, now);
     /* Not inserted first: it went straight to the driver. */
-    track(&k, args->bytes, args->rwbs, 0, now);
+    track(rq, s, dev, 0, now);
     return 0;
 }
 
 /* A requeued request is issued again: not a new request, and no completion was missed. */
-TRACEPOINT_PROBE(block, block_rq_requeue)
+RAW_TRACEPOINT_PROBE(block_rq_requeue)
 {
-    struct block_key k = {};
-    k.dev = args->dev;
-    k.sector = args->sector;
-    struct block_start *found = block_start_map.lookup(&k);
-    if (found)
-        found->issue_ns = 0;
+    struct kvprof_inflight *s = kvprof_slot_data(kvprof_find(ctx->args[0]));
+    if (s)
+        s->issue_ns = 0;
     return 0;
 }
 
-/* The flush machinery (block/blk-flush.c) strips PREFLUSH/FUA from a request before it is
+/* block_rq_complete(rq, blk_status_t error, unsigned int nr_bytes) runs at every
+ * blk_update_request(): once per request, or once per part when a driver completes it in
+ * parts (nr_bytes < what is left of it); the request is over with its last part.
+ *
+ * The flush machinery (block/blk-flush.c) strips PREFLUSH/FUA from a request before it is
  * issued and, for a data request that needed a flush, completes it twice: once with its data
- * (emitted then) and once empty, at its own sector, when the sequence ends; that second
- * completion finds no entry and is ignored. An empty PREFLUSH write (what fsync sends) never
- * reaches the device: it is only completed, empty and without a position (sector 0), after
- * the device flush it waited for, which is traced as a flush. The kernel counts it as a write
- * of 0 bytes, and so does kvprof. */
-TRACEPOINT_PROBE(block, block_rq_complete)
+ * (counted then) and once empty when the sequence ends, which finds no slot and is ignored.
+ * An empty PREFLUSH write (what fsync sends) never reaches the device: it is only completed,
+ * empty and without a position, after the device flush it waited for, which is traced as a
+ * flush. The kernel counts it as a write of 0 bytes, and so does kvprof. */
+RAW_TRACEPOINT_PROBE(block_rq_complete)
 {
-    u32 dev = args->dev;
-    if (!kvprof_dev_allowed(dev))
-        return 0;
-    struct block_key k = {};
-    k.dev = dev;
-    /* Insert/issue report a request without a position (a flush) as sector 0, completion
-     * as (sector_t)-1. */
-    k.sector = args->sector == (u64)-1 ? 0 : args->sector;
+    void *rq = (void *)ctx->args[0];
+    u32 nr_bytes = (u32)ctx->args[2];
     u64 now = bpf_ktime_get_ns();
+    int slot = kvprof_find((u64)rq);
+    struct kvprof_inflight *s = kvprof_slot_data(slot);
     struct kvprof_io e = {};
-    struct block_start *v = block_start_map.lookup(&k);
-    if (!v) {
-        if (args->nr_sector != 0) {
+    if (!s) {
+        u32 dev = rq_dev(rq);
+        if (!kvprof_dev_allowed(dev))
+            return 0;
+        if (nr_bytes != 0) {
             kvprof_count(KVPROF_LOST_BLOCK_UNMATCHED);
             return 0;
         }
@@ -179,47 +174,53 @@ TRACEPOINT_PROBE(block, block_rq_complete)
         /* Completion runs in interrupt context: no task to filter on, so leave it out. */
         return 0;
 #endif
-        if (k.sector != 0)
+        u64 sector = KVPROF_FIELD(u64, rq, KVPROF_RQ_SECTOR);
+        if (sector != 0 && sector != (u64)-1)
             return 0;
         u16 fl = 0;
-        parse_rwbs(args->rwbs, &e.op, &fl);
+        decode_cmd(KVPROF_FIELD(u32, rq, KVPROF_RQ_CMD_FLAGS), &e.op, &fl);
         if (e.op != KVPROF_OP_WRITE)
             return 0;
         e.flags = fl;
         e.issue_ns = now;
         e.complete_ns = now;
-        e.sector = k.sector;
         e.dev = dev;
-        e.error = args->error;
+        e.error = -(s32)(u8)ctx->args[1];
         e.layer = KVPROF_LAYER_BLOCK;
         kvprof_agg(KVPROF_LAYER_BLOCK, e.op, dev, kvprof_phase_now(), 0, 0, 0, now);
         kvprof_emit_device(&e);
         return 0;
     }
-    if (v->flags & KVPROF_FL_FILTERED) {
-        block_start_map.delete(&k);
+    u32 done = s->done + nr_bytes;
+    if (done < s->bytes) {
+        s->done = done; /* a part: the request goes on */
         return 0;
     }
-    e.insert_ns = v->insert_ns;
-    e.issue_ns = v->issue_ns ? v->issue_ns : v->insert_ns;
+    if (s->flags & KVPROF_FL_FILTERED) {
+        kvprof_release(slot);
+        return 0;
+    }
+    e.insert_ns = s->insert_ns;
+    e.issue_ns = s->issue_ns ? s->issue_ns : s->insert_ns;
     e.complete_ns = now;
-    e.sector = k.sector;
-    e.cgroup_id = v->cgroup_id;
-    e.bytes = v->bytes;
-    e.dev = dev;
-    e.pid = v->pid;
-    e.tgid = v->tgid;
-    e.error = args->error;
-    e.flags = v->flags;
-    e.op = v->op;
+    e.cgroup_id = s->cgroup_id;
+    e.bytes = s->bytes;
+    e.dev = s->dev;
+    e.pid = s->pid;
+    e.tgid = s->tgid;
+    e.error = -(s32)(u8)ctx->args[1]; /* the blk_status_t, negated */
+    e.flags = s->flags;
+    e.op = s->op;
     e.layer = KVPROF_LAYER_BLOCK;
-    __builtin_memcpy(e.comm, v->comm, sizeof(e.comm));
-    u8 phase = v->phase;
-    block_start_map.delete(&k);
-    kvprof_agg(KVPROF_LAYER_BLOCK, e.op, dev, phase, e.bytes,
-               e.insert_ns && v->issue_ns ? v->issue_ns - e.insert_ns : 0,
-               now - e.issue_ns, now);
-    kvprof_dev_tick(dev, now, -1);
-    kvprof_emit_device(&e);
+    __builtin_memcpy(e.comm, s->comm, sizeof(e.comm));
+    u8 phase = s->phase;
+    u64 queue_ns = e.insert_ns && s->issue_ns ? s->issue_ns - e.insert_ns : 0;
+    kvprof_release(slot);
+    kvprof_agg(KVPROF_LAYER_BLOCK, e.op, e.dev, phase, e.bytes, queue_ns, now - e.issue_ns, now);
+    kvprof_dev_tick(e.dev, now, -1);
+#ifndef KVPROF_NO_DEVICE_EVENTS
+    e.sector = KVPROF_FIELD(u64, rq, KVPROF_RQ_SECTOR);
+    kvprof_emit(&e);
+#endif
     return 0;
 }

@@ -1,20 +1,8 @@
-/* io_uring: read/write requests from io_uring_submit_req to io_uring_complete, matched by
- * the request pointer (the kernel reuses it only after the completion is posted). */
+/* io_uring: read/write requests from io_uring_submit_req to io_uring_complete (raw
+ * tracepoints), followed by the io_kiocb pointer in the in-flight table (the kernel reuses a
+ * request only after its completion is posted). Field offsets come from the running kernel's
+ * BTF (KVPROF_IOK_OPCODE, KVPROF_CQE_RES). */
 #include "kvprof.h"
-
-struct uring_start {
-    u64 submit_ns;
-    u64 ctx;
-    u64 cgroup_id;
-    u32 pid;
-    u32 tgid;
-    u8 opcode;
-    u8 phase; /* kvprof's phase at submission (aggregate tier) */
-    u8 pad[6];
-    char comm[16];
-};
-
-BPF_TABLE("lru_hash", u64, struct uring_start, uring_start_map, KVPROF_START_ENTRIES);
 
 /* IORING_OP_READV 1, WRITEV 2, READ_FIXED 4, WRITE_FIXED 5, READ 22, WRITE 23 (uapi numbers,
  * stable by ABI). */
@@ -27,55 +15,59 @@ static __always_inline u8 uring_op(u8 opcode)
     }
 }
 
-TRACEPOINT_PROBE(io_uring, io_uring_submit_req)
+/* io_uring_submit_req(struct io_kiocb *req) */
+RAW_TRACEPOINT_PROBE(io_uring_submit_req)
 {
-    u8 opcode = args->opcode;
-    if (uring_op(opcode) == KVPROF_OP_OTHER)
+    void *req = (void *)ctx->args[0];
+    u8 opcode = KVPROF_FIELD(u8, req, KVPROF_IOK_OPCODE);
+    u8 op = uring_op(opcode);
+    if (op == KVPROF_OP_OTHER)
         return 0;
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     if (!kvprof_task_allowed(tgid))
         return 0;
-    u64 key = (u64)args->req;
-    if (uring_start_map.lookup(&key))
+    int found;
+    struct kvprof_inflight *s = kvprof_slot_data(kvprof_claim((u64)req, &found));
+    if (!s)
+        return 0;
+    if (found)
         kvprof_count(KVPROF_LOST_URING_NOT_SEEN); /* req reused: its completion was skipped */
-    struct uring_start v = {};
-    v.submit_ns = bpf_ktime_get_ns();
-    v.ctx = (u64)args->ctx;
-    v.cgroup_id = bpf_get_current_cgroup_id();
-    v.pid = (u32)id;
-    v.tgid = tgid;
-    v.opcode = opcode;
-    v.phase = kvprof_phase_now();
-    bpf_get_current_comm(&v.comm, sizeof(v.comm));
-    uring_start_map.update(&key, &v);
+    s->issue_ns = bpf_ktime_get_ns();
+    s->op = op;
+    s->opcode = opcode;
+    s->phase = kvprof_phase_now();
+    s->layer = KVPROF_LAYER_IO_URING;
+    s->flags = 0;
+    kvprof_who(s, tgid, (u32)id);
     return 0;
 }
 
-TRACEPOINT_PROBE(io_uring, io_uring_complete)
+/* io_uring_complete(struct io_ring_ctx *ctx, void *req, struct io_uring_cqe *cqe) */
+RAW_TRACEPOINT_PROBE(io_uring_complete)
 {
-    u64 key = (u64)args->req;
-    /* Completions of other opcodes (and of filtered tasks) have no entry by design, so a
-     * miss is not counted as a loss here. */
-    struct uring_start *v = uring_start_map.lookup(&key);
-    if (!v)
+    /* Completions of other opcodes (and of filtered tasks) have no slot by design, so a miss
+     * is not counted as a loss here. */
+    int slot = kvprof_find(ctx->args[1]);
+    struct kvprof_inflight *s = kvprof_slot_data(slot);
+    if (!s)
         return 0;
+    s32 res = KVPROF_FIELD(s32, (void *)ctx->args[2], KVPROF_CQE_RES);
     struct kvprof_io e = {};
-    e.issue_ns = v->submit_ns;
+    e.issue_ns = s->issue_ns;
     e.complete_ns = bpf_ktime_get_ns();
-    e.cgroup_id = v->cgroup_id;
-    e.ctx = v->ctx;
-    int res = args->res;
+    e.cgroup_id = s->cgroup_id;
+    e.ctx = ctx->args[0];
     e.bytes = res > 0 ? res : 0;
     e.error = res < 0 ? res : 0;
-    e.pid = v->pid;
-    e.tgid = v->tgid;
-    e.op = uring_op(v->opcode);
-    e.opcode = v->opcode;
+    e.pid = s->pid;
+    e.tgid = s->tgid;
+    e.op = s->op;
+    e.opcode = s->opcode;
     e.layer = KVPROF_LAYER_IO_URING;
-    __builtin_memcpy(e.comm, v->comm, sizeof(e.comm));
-    u8 phase = v->phase;
-    uring_start_map.delete(&key);
+    __builtin_memcpy(e.comm, s->comm, sizeof(e.comm));
+    u8 phase = s->phase;
+    kvprof_release(slot);
     kvprof_agg(KVPROF_LAYER_IO_URING, e.op, 0, phase, e.bytes, 0, e.complete_ns - e.issue_ns,
                e.complete_ns);
     kvprof_emit_device(&e);

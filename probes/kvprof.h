@@ -40,7 +40,9 @@
 #define KVPROF_LOST_OPEN_RINGBUF 4
 /* An aggregate-tier key found its map full (user space drains it every 250 ms). */
 #define KVPROF_LOST_AGG_FULL 5
-#define KVPROF_NCOUNTERS 6
+/* A request found every slot it may use in the in-flight table taken (see kvprof_claim). */
+#define KVPROF_LOST_INFLIGHT_FULL 6
+#define KVPROF_NCOUNTERS 7
 
 #ifndef KVPROF_RINGBUF_PAGES
 #define KVPROF_RINGBUF_PAGES 1024
@@ -87,8 +89,10 @@ BPF_HASH(cgroup_filter, u64, u8, 64);
 static __always_inline void kvprof_count(int idx)
 {
     u64 *c = counters.lookup(&idx);
+    /* Atomic although per-CPU: raw tracepoint programs can nest on one CPU (a completion
+     * interrupt while another of kvprof's programs runs). */
     if (c)
-        (*c)++;
+        __sync_fetch_and_add(c, 1);
 }
 
 static __always_inline int kvprof_dev_allowed(u32 dev)
@@ -186,14 +190,21 @@ struct kvprof_busy_key {
     u8 pad[3];
 };
 
-/* Per device: requests in flight and when busy time was last accounted (as the kernel keeps
- * io_ticks: every start and completion accounts the time since the last one as busy if a
- * request was in flight, the stamp moved by compare-and-swap so two CPUs never count the
- * same stretch). */
+/* Per device, in one word changed by compare-and-swap: the requests in flight (low 16 bits)
+ * and since when the device has been busy without that time being accounted yet (the high
+ * 48 bits of the clock in ns: a stretch is always shorter than the 78 hours they wrap in).
+ * Busy time is accounted when the device goes idle, and at second and phase boundaries; in
+ * between a request's start or completion only counts it in or out. One atomic operation
+ * per start and completion (the kernel keeps its own io_ticks the same way, per jiffy):
+ * moving the stamp at every request cost a tenth of the device's IOPS at full rate. */
 struct kvprof_dev_state {
-    s64 inflight;
-    u64 stamp;
+    u64 word;
+    u32 phase; /* the phase the busy time since the stamp is counted under */
+    u32 pad;
 };
+#define KVPROF_DEV_N_MASK 0xFFFFULL
+#define KVPROF_STAMP_BITS 48
+#define KVPROF_STAMP_MASK ((1ULL << KVPROF_STAMP_BITS) - 1)
 
 BPF_PERCPU_HASH(agg, struct kvprof_agg_key, struct kvprof_agg_val, KVPROF_AGG_ENTRIES);
 BPF_PERCPU_ARRAY(agg_zero, struct kvprof_agg_val, 1); /* never written: the initial value */
@@ -240,7 +251,9 @@ static __always_inline void kvprof_agg(u8 layer, u8 op, u32 dev, u8 phase, u64 b
         kvprof_count(KVPROF_LOST_AGG_FULL);
         return;
     }
-    /* Per-CPU values: only this CPU writes this copy, and probes never nest on a CPU. */
+    /* Per-CPU values: only this CPU writes this copy, and only the completion programs
+     * write it; those of one layer never nest (the kernel runs a raw tracepoint program
+     * only once per CPU at a time), and the layers' keys differ. */
     v->ios++;
     v->bytes += bytes;
     v->queue_ns += queue_ns;
@@ -273,7 +286,7 @@ static __always_inline void kvprof_busy_add(u32 dev, u8 phase, u64 from, u64 to)
         u64 zero = 0;
         u64 *b = busy.lookup_or_try_init(&k, &zero);
         if (b)
-            *b += end - from;
+            __sync_fetch_and_add(b, end - from); /* start and completion may nest */
         else
             kvprof_count(KVPROF_LOST_AGG_FULL);
         from = end;
@@ -286,21 +299,171 @@ static __always_inline void kvprof_dev_tick(u32 dev, u64 now, s64 delta)
     struct kvprof_dev_state *st = dev_state.lookup(&dev);
     if (!st) {
         struct kvprof_dev_state z = {};
-        z.stamp = now;
         dev_state.insert(&dev, &z); /* fails harmlessly if another CPU was first */
         st = dev_state.lookup(&dev);
         if (!st)
             return;
     }
-    u64 stamp = st->stamp;
-    if (now > stamp && __sync_val_compare_and_swap(&st->stamp, stamp, now) == stamp) {
-        /* A completing request was in flight until now; a starting one finds the device
-         * busy only if another request is in flight. */
-        if (delta < 0 || st->inflight > 0)
-            kvprof_busy_add(dev, kvprof_phase_now(), stamp, now);
+    u8 phase = kvprof_phase_now();
+    for (int i = 0; i < 8; i++) {
+        u64 w = st->word;
+        u64 n = w & KVPROF_DEV_N_MASK;
+        u64 ago = ((now & KVPROF_STAMP_MASK) - (w >> 16)) & KVPROF_STAMP_MASK;
+        if (ago >> (KVPROF_STAMP_BITS - 1))
+            ago = 0; /* the stamp is a hair later than our clock read (another CPU) */
+        u64 since = now - ago;
+        int edge = since / KVPROF_NS_PER_S != now / KVPROF_NS_PER_S || st->phase != phase;
+        u64 fresh = (now & KVPROF_STAMP_MASK) << 16;
+        u64 next;
+        int busy_until_now = 0;
+        if (delta > 0) {
+            if (n == KVPROF_DEV_N_MASK)
+                return;
+            if (n == 0) {
+                next = fresh | 1; /* idle until now */
+            } else if (edge) {
+                next = fresh | (n + 1);
+                busy_until_now = 1;
+            } else {
+                next = w + 1;
+            }
+        } else {
+            if (n == 0)
+                return; /* its start was not counted (it was in flight when we attached) */
+            if (n == 1 || edge) {
+                next = fresh | (n - 1);
+                busy_until_now = 1;
+            } else {
+                next = w - 1;
+            }
+        }
+        if (__sync_val_compare_and_swap(&st->word, w, next) != w)
+            continue; /* another CPU changed it first: read it again */
+        if (busy_until_now)
+            kvprof_busy_add(dev, st->phase, since, now);
+        if (n == 0 || busy_until_now)
+            st->phase = phase;
+        return;
     }
-    __sync_fetch_and_add(&st->inflight, delta);
+    kvprof_count(KVPROF_LOST_AGG_FULL);
 }
+
+/* ---- Requests in flight ------------------------------------------------------------------
+ * The device layers follow each request from start to completion by the kernel's own pointer
+ * to it (struct request, struct io_kiocb), in a table of plain arrays: the keys in buckets of
+ * eight (one cache line, so a lookup touches one line), each claimed by compare-and-swap and
+ * freed by writing 0, and beside them the requests' data. Unlike a BPF hash map there is no
+ * bucket lock and no element allocation per request, which was most of the probes' cost per
+ * I/O (DESIGN.md, "Two capture tiers"). A request whose bucket is full (more than eight in
+ * flight hashing together, out of KVPROF_INFLIGHT_SLOTS) is counted as lost
+ * (KVPROF_LOST_INFLIGHT_FULL). Requests are reused by the kernel (per tag), so one whose
+ * completion was never seen is found again at its next start and accounted then. */
+#ifndef KVPROF_INFLIGHT_SLOTS
+#define KVPROF_INFLIGHT_SLOTS 65536 /* a power of two */
+#endif
+#define KVPROF_BUCKET 8
+#define KVPROF_BUCKETS (KVPROF_INFLIGHT_SLOTS / KVPROF_BUCKET)
+
+struct kvprof_bucket {
+    u64 key[KVPROF_BUCKET]; /* the requests' addresses; 0: free */
+};
+
+struct kvprof_inflight {
+    u64 insert_ns;
+    u64 issue_ns;
+    u64 cgroup_id;
+    u32 dev;
+    u32 bytes;
+    u32 done; /* bytes completed so far (a request completed in parts) */
+    u32 pid;
+    u32 tgid;
+    u16 flags;
+    u8 op;
+    u8 phase; /* kvprof's phase when the request started (aggregate tier) */
+    u8 opcode;
+    u8 layer;
+    u8 pad[6];
+    char comm[16];
+};
+
+BPF_ARRAY(inflight_keys, struct kvprof_bucket, KVPROF_BUCKETS);
+BPF_ARRAY(inflight, struct kvprof_inflight, KVPROF_INFLIGHT_SLOTS);
+
+static __always_inline u32 kvprof_bucket_of(u64 key)
+{
+    /* Fibonacci hashing of the address without its low bits (the kernel's request objects
+     * are 64-byte aligned or more). */
+    return (u32)(((key >> 6) * 0x9E3779B97F4A7C15ULL) >> 40) & (KVPROF_BUCKETS - 1);
+}
+
+/* The slot holding `key`, or -1. */
+static __always_inline int kvprof_find(u64 key)
+{
+    u32 b = kvprof_bucket_of(key);
+    struct kvprof_bucket *bk = inflight_keys.lookup(&b);
+    if (!bk)
+        return -1;
+#pragma unroll
+    for (int i = 0; i < KVPROF_BUCKET; i++)
+        if (bk->key[i] == key)
+            return b * KVPROF_BUCKET + i;
+    return -1;
+}
+
+/* The slot holding `key`, claimed for it if it was not there (*found says which), or -1 when
+ * its bucket is full. */
+static __always_inline int kvprof_claim(u64 key, int *found)
+{
+    u32 b = kvprof_bucket_of(key);
+    struct kvprof_bucket *bk = inflight_keys.lookup(&b);
+    *found = 0;
+    if (!bk)
+        return -1;
+#pragma unroll
+    for (int i = 0; i < KVPROF_BUCKET; i++)
+        if (bk->key[i] == key) {
+            *found = 1;
+            return b * KVPROF_BUCKET + i;
+        }
+#pragma unroll
+    for (int i = 0; i < KVPROF_BUCKET; i++)
+        if (bk->key[i] == 0 && __sync_val_compare_and_swap(&bk->key[i], 0, key) == 0)
+            return b * KVPROF_BUCKET + i;
+    kvprof_count(KVPROF_LOST_INFLIGHT_FULL);
+    return -1;
+}
+
+static __always_inline struct kvprof_inflight *kvprof_slot_data(int slot)
+{
+    u32 i = (u32)slot;
+    return inflight.lookup(&i);
+}
+
+static __always_inline void kvprof_release(int slot)
+{
+    /* Read the slot's data before: once its key is 0 another CPU may claim it. */
+    u32 b = (u32)slot / KVPROF_BUCKET;
+    struct kvprof_bucket *bk = inflight_keys.lookup(&b);
+    if (bk)
+        __sync_lock_test_and_set(&bk->key[slot & (KVPROF_BUCKET - 1)], 0);
+}
+
+/* Who started the request: its task (submission runs in the submitter's context; block
+ * completion does not). Only the event tier and the task filters need it. */
+static __always_inline void kvprof_who(struct kvprof_inflight *s, u32 tgid, u32 pid)
+{
+    s->pid = pid;
+    s->tgid = tgid;
+#ifndef KVPROF_NO_DEVICE_EVENTS
+    s->cgroup_id = bpf_get_current_cgroup_id();
+    bpf_get_current_comm(&s->comm, sizeof(s->comm));
+#endif
+}
+
+/* A field of a kernel struct at an offset read from the running kernel's BTF (-D values from
+ * kvprof/capture/btf.py; no kernel struct layout is compiled in). */
+#define KVPROF_FIELD(type, ptr, off) ({ type _v = 0; \
+    bpf_probe_read_kernel(&_v, sizeof(_v), (const char *)(ptr) + (off)); _v; })
 
 /* The device layers' per-I/O rows; `--no-events` leaves only the aggregate tier. */
 static __always_inline void kvprof_emit_device(struct kvprof_io *e)

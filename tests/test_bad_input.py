@@ -34,8 +34,8 @@ def test_ebpf_prints_the_program_without_root():
     r = run_kvprof("record", "--ebpf", "-d", "loop0", "-p", "1", prefix=NO_CAPS)
     assert r.returncode == 0, r.stderr
     assert "-DKVPROF_FILTER_DEV" in r.stdout and "-DKVPROF_FILTER_TGID" in r.stdout
-    assert "TRACEPOINT_PROBE(block, block_rq_complete)" in r.stdout
-    assert "TRACEPOINT_PROBE(io_uring, io_uring_submit_req)" in r.stdout
+    assert "RAW_TRACEPOINT_PROBE(block_rq_complete)" in r.stdout
+    assert "RAW_TRACEPOINT_PROBE(io_uring_submit_req)" in r.stdout
     # values from the command line never reach the C text; they go into maps
     assert "loop0" not in r.stdout.split("\n", 1)[1]
 
@@ -122,9 +122,11 @@ def test_missing_bcc_names_the_package_to_install():
 
 def test_doctor_prints_one_line_per_check():
     r = run_kvprof("doctor")
-    names = [line.split()[1] for line in r.stdout.splitlines() if line[:4] in ("ok  ", "FAIL", "warn")]
+    names = [line.split()[1] for line in r.stdout.splitlines()
+             if line[:4] in ("ok  ", "FAIL", "warn")]
     assert names == ["privilege", "tracefs", "tracepoints:block", "tracepoints:io_uring",
-                     "tracepoints:syscall", "tracepoints:tcp", "bcc", "kernel", "nvml", "gds"]
+                     "tracepoints:syscall", "tracepoints:tcp", "btf", "bcc", "kernel", "nvml",
+                     "gds"]
     failed = [line for line in r.stdout.splitlines() if line.startswith("FAIL")]
     assert r.returncode == (1 if failed else 0)
     for i, line in enumerate(r.stdout.splitlines()):

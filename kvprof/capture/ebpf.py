@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from kvprof import caches, schema
 from kvprof.capture.aggregate import AggregateReader
+from kvprof.capture.btf import layout_defines
 from kvprof.capture.files import OPEN_DTYPE, FileTable, all_tgids
 from kvprof.capture.gds import NAMES as GDS_PROBES
 from kvprof.capture.gds import find_cufile, usdt_contexts
@@ -54,10 +55,11 @@ PROBE_FILES = {"block": "block.bpf.c", "io_uring": "io_uring.bpf.c",
                "syscall": "syscall.bpf.c", "tcp": "tcp.bpf.c", "gds": "gds.bpf.c"}
 COUNTER_NAMES = {0: "ringbuf_reserve_failed", 1: "block_unmatched_completion",
                  2: "block_completion_not_seen", 3: "io_uring_completion_not_seen",
-                 4: "syscall_open_ring_full", 5: "aggregate_map_full"}
-START_MAPS = {"block": ("block_start_map", "block_completion_not_seen"),
-              "io_uring": ("uring_start_map", "io_uring_completion_not_seen"),
-              "syscall": ("sys_start_map", "syscall_completion_not_seen")}
+                 4: "syscall_open_ring_full", 5: "aggregate_map_full",
+                 6: "inflight_table_full"}
+# Requests still in flight at stop, by the layer that held them: never seen completing.
+NOT_SEEN = {"block": "block_completion_not_seen", "io_uring": "io_uring_completion_not_seen",
+            "syscall": "syscall_completion_not_seen"}
 LAYER_BLOCK = schema.LAYERS.index(schema.LAYER_BLOCK)
 LAYER_URING = schema.LAYERS.index(schema.LAYER_IO_URING)
 LAYER_SYSCALL = schema.LAYERS.index(schema.LAYER_SYSCALL)
@@ -99,6 +101,7 @@ def build_program(layers: tuple[str, ...], filters: CaptureFilter,
         parts.append((d / PROBE_FILES[layer]).read_text().replace(f'#include "{HEADER}"\n', ""))
     text = "\n".join(parts)
     cflags = [f"-DKVPROF_RINGBUF_PAGES={int(ringbuf_pages)}"]
+    cflags += [f"-D{name}={value}" for name, value in layout_defines(layers).items()]
     if not device_events:
         cflags.append("-DKVPROF_NO_DEVICE_EVENTS")
     if {"syscall", "tcp", "gds"} & set(layers):
@@ -252,24 +255,36 @@ class Capture:
         time.sleep(0.05)
         for tp in list(self.bpf.tracepoint_fds):
             self.bpf.detach_tracepoint(tp)
+        for tp in list(self.bpf.raw_tracepoint_fds):
+            self.bpf.detach_raw_tracepoint(tp)
         self._drain()
         if self.aggregate is not None:
             self._agg_final = self.aggregate.take(final=True)
         lost = self.lost()
         # Requests still held as in flight were never seen completing: skipped completion
         # probes, or I/O in flight at the moment of detaching. Either way, not recorded.
-        for layer in self.layers:
-            if layer not in START_MAPS:
-                continue  # tcp: each record is one call's bytes, nothing held in flight
-            table, reason = START_MAPS[layer]
-            held = sum(1 for _, v in self.bpf[table].items()
-                       if not getattr(v, "flags", 0) & FLAG_FILTERED)
-            lost[reason] = lost.get(reason, 0) + held
+        for layer, count in self._held_at_stop().items():
+            lost[NOT_SEEN[layer]] = lost.get(NOT_SEEN[layer], 0) + count
         self._lost_final = lost
         self._ring.close()
         if self._opens is not None:
             self._opens.close()
         self.bpf.cleanup()
+
+    def _held_at_stop(self) -> dict[str, int]:
+        """Requests the probes still hold as in flight, by layer (tcp holds none: each of
+        its records is one call's bytes)."""
+        held: dict[str, int] = {}
+        if {"block", "io_uring"} & set(self.layers):
+            keys = np.frombuffer(_map_bytes(self.bpf["inflight_keys"]), "<u8")
+            slots = np.frombuffer(_map_bytes(self.bpf["inflight"]), INFLIGHT_DTYPE)
+            live = slots[(keys != 0) & (slots["flags"] & FLAG_FILTERED == 0)]
+            for layer, code in (("block", LAYER_BLOCK), ("io_uring", LAYER_URING)):
+                if layer in self.layers:
+                    held[layer] = int((live["layer"] == code).sum())
+        if "syscall" in self.layers:
+            held["syscall"] = sum(1 for _ in self.bpf["sys_start_map"].keys())
+        return held
 
     def lost(self) -> dict[str, int]:
         if getattr(self, "_lost_final", None) is not None:
@@ -431,6 +446,19 @@ class Capture:
             "inode": per_file("inode", pa.uint64()),
         }
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO], schema=schema.IO)
+
+
+# Mirrors struct kvprof_inflight in probes/kvprof.h.
+INFLIGHT_DTYPE = np.dtype([("insert_ns", "<u8"), ("issue_ns", "<u8"), ("cgroup_id", "<u8"),
+                           ("dev", "<u4"), ("bytes", "<u4"), ("done", "<u4"), ("pid", "<u4"),
+                           ("tgid", "<u4"), ("flags", "<u2"), ("op", "u1"), ("phase", "u1"),
+                           ("opcode", "u1"), ("layer", "u1"), ("pad", "V6"), ("comm", "S16")])
+assert INFLIGHT_DTYPE.itemsize == 72
+
+
+def _map_bytes(table) -> bytes:
+    """An array map's values, in one piece (read once, at stop)."""
+    return b"".join(bytes(v) for v in table.values())
 
 
 # Takes (FLUSH_INTERVAL_S apart) a row of a not yet named file waits for its open record
