@@ -6,7 +6,9 @@ For each round: fio without kvprof, fio with `kvprof record` attached, fio witho
 a private loop device over /dev/shm (4 KiB random reads, io_uring QD32, and psync QD1). Prints
 IOPS and the attached/baseline ratio, for each capture mode: `events` (the default: the
 aggregate tier plus a row per I/O) and `aggregate` (`--no-events`: only the in-kernel counts),
-and how long attaching and detaching took. Then times `kvprof report` on the recorded session
+and how long attaching and detaching took. Mode `floor` attaches empty programs on the same
+raw tracepoints instead (floor_probes.py): the cost of attaching alone, below which no tracer
+of these tracepoints can go on this machine. Then times `kvprof report` on the recorded session
 against a bare DuckDB scan of the same table.
 """
 from __future__ import annotations
@@ -23,7 +25,8 @@ from pathlib import Path
 
 from loopdev import loop_device
 
-MODES = {"events": [], "aggregate": ["--no-events"]}
+MODES = {"events": [], "aggregate": ["--no-events"], "floor": None}
+HERE = Path(__file__).resolve().parent
 JOBS = {
     "io_uring QD32": ["--ioengine=io_uring", "--iodepth=32"],
     "psync QD1": ["--ioengine=psync", "--iodepth=1"],
@@ -61,13 +64,16 @@ def main() -> int:
                 ratios = []
                 for r in range(args.rounds):
                     before = fio_iops(dev, extra, args.runtime)
-                    session = tmp / f"{name.split()[0]}-{mode}-{r}"
+                    out = tmp / f"{name.split()[0]}-{mode}-{r}"
                     t = time.perf_counter()
-                    rec = subprocess.Popen([sys.executable, "-m", "kvprof", "record", "-d", dev,
-                                            "-o", str(session), "--socket",
-                                            str(tmp / "m.sock"), *flags,
-                                            *args.record_arg],
-                                           stderr=subprocess.PIPE, text=True)
+                    cmd = [sys.executable, "-m", "kvprof", "record", "-d", dev, "-o",
+                           str(out), "--socket", str(tmp / "m.sock"), *(flags or []),
+                           *args.record_arg]
+                    if flags is None:
+                        cmd = [sys.executable, str(HERE / "floor_probes.py")]
+                    else:
+                        session = out
+                    rec = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
                     for line in rec.stderr:
                         if "Hit Ctrl-C" in line:
                             break
@@ -86,6 +92,8 @@ def main() -> int:
                           flush=True)
                 print(f"{name:<14} {mode:<9} median attached/baseline ratio "
                       f"{statistics.median(ratios):.3f}", flush=True)
+        if session is None:
+            return 0
         import duckdb
 
         db = str(session / "session.duckdb")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import struct
 import threading
@@ -49,6 +50,10 @@ EVENT_DTYPE = np.dtype(
     ]
 )
 assert EVENT_DTYPE.itemsize == 96
+BATCH = 32  # KVPROF_BATCH
+# Mirrors struct kvprof_batch: what the event ring holds, a batch of records per entry.
+BATCH_DTYPE = np.dtype([("n", "<u4"), ("in_use", "<u4"), ("pad", "<u8"),
+                        ("rec", EVENT_DTYPE, (BATCH,))])
 
 HEADER = "kvprof.h"
 PROBE_FILES = {"block": "block.bpf.c", "io_uring": "io_uring.bpf.c",
@@ -154,7 +159,10 @@ class Capture:
         self._dev_names: dict[int, Device] = {d.kernel_dev: d for d in filters.devices}
         self.events_total = 0
         events = self.bpf["events"]
-        self._ring = RingReader(events.map_fd, int(events.max_entries), EVENT_DTYPE)
+        self._ring = RingReader(events.map_fd, int(events.max_entries), BATCH_DTYPE)
+        self._flush_fd = self.bpf.load_func(b"flush_events", self.bcc.BPF.RAW_TRACEPOINT).fd
+        self._cpus = self.bcc.utils.get_online_cpus()
+        self._flushed_at = 0.0
         # Who the processes are, read from /proc as soon as each opens a file or does I/O:
         # a short-lived one may be gone by the next flush.
         self.procs = ProcessTable()
@@ -228,12 +236,24 @@ class Capture:
             if len(recs):
                 self.files.opened(recs)
                 self._described(recs["tgid"])
-        ev = self._ring.drain()
+        now = time.monotonic()
+        flushed = False
+        if now - self._flushed_at >= FLUSH_EVERY_S:
+            flushed = self._flush_batches()
+            self._flushed_at = now
+        ev = unbatch(self._ring.drain())
         if len(ev):
             self._batches.append(ev)
             self._described(ev["tgid"])
-        if self.files is not None:
+        if self.files is not None and flushed:
+            # Every row written before the close records read above was in a CPU's batch
+            # or the ring, and is drained now.
             self.files.settle()
+
+    def _flush_batches(self) -> bool:
+        """Each CPU's batch that is not full yet, into the ring (flush_events in kvprof.h);
+        False when some CPU's batch could not be handed over this time."""
+        return all([run_on_cpu(self._flush_fd, cpu) for cpu in self._cpus])
 
     def _described(self, tgids: np.ndarray) -> None:
         rows = self.procs.rows(tgids, time.monotonic_ns())
@@ -258,6 +278,11 @@ class Capture:
         for tp in list(self.bpf.raw_tracepoint_fds):
             self.bpf.detach_raw_tracepoint(tp)
         self._drain()
+        # The probes are detached, so each CPU's last batch can be read in place.
+        last = [bytes(b) for b in self.bpf["staging"].getvalue(ctypes.c_int(0))]
+        ev = unbatch(np.frombuffer(b"".join(last), BATCH_DTYPE))
+        if len(ev):
+            self._batches.append(ev)
         if self.aggregate is not None:
             self._agg_final = self.aggregate.take(final=True)
         lost = self.lost()
@@ -461,6 +486,19 @@ def _map_bytes(table) -> bytes:
     return b"".join(bytes(v) for v in table.values())
 
 
+# How often each CPU's partial batch of events is handed over: how late a row can be when
+# I/O is sparse (the aggregate tier, exact and drained each second, is not delayed by it).
+FLUSH_EVERY_S = 0.2
+
+
+def unbatch(batches: np.ndarray) -> np.ndarray:
+    """The records in use of each batch, in order."""
+    if not len(batches):
+        return np.empty(0, EVENT_DTYPE)
+    used = np.arange(BATCH)[None, :] < batches["n"][:, None]
+    return batches["rec"][used]
+
+
 # Takes (FLUSH_INTERVAL_S apart) a row of a not yet named file waits for its open record
 # before it is stored without a path.
 HOLD_TAKES = 8
@@ -515,6 +553,33 @@ PROG_INFO_SIZE = 216
 RECURSION_MISSES_OFFSET = 208
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+BPF_PROG_TEST_RUN = 10
+BPF_F_TEST_RUN_ON_CPU = 1
+
+
+def run_on_cpu(prog_fd: int, cpu: int) -> bool:
+    """Run a raw tracepoint program once on `cpu` (the kernel sends it there; Linux 5.10+);
+    True when it ran and returned 0."""
+    import platform
+
+    nr = SYS_BPF.get(platform.machine())
+    if nr is None:
+        return False
+    # union bpf_attr, test: prog_fd, retval, sizes and pointers all 0 (no context), flags at
+    # byte 64, cpu at 68.
+    attr = ctypes.create_string_buffer(80)
+    struct.pack_into("<I", attr, 0, prog_fd)
+    struct.pack_into("<II", attr, 64, BPF_F_TEST_RUN_ON_CPU, cpu)
+    if _libc().syscall(nr, BPF_PROG_TEST_RUN, attr, 80) != 0:
+        return False
+    return struct.unpack_from("<I", attr, 4)[0] == 0  # the program's return value
+
+
 def recursion_misses(prog_fd: int) -> int:
     """How often the kernel skipped this program because another BPF program was already
     running on that CPU (e.g. a completion in an interrupt during a submit probe): each skip
@@ -527,8 +592,7 @@ def recursion_misses(prog_fd: int) -> int:
     info = ctypes.create_string_buffer(PROG_INFO_SIZE)
     attr = struct.pack("<IIQ", prog_fd, PROG_INFO_SIZE, ctypes.addressof(info))
     attr_buf = ctypes.create_string_buffer(attr, 120)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(nr, BPF_OBJ_GET_INFO_BY_FD, attr_buf, 120) != 0:
+    if _libc().syscall(nr, BPF_OBJ_GET_INFO_BY_FD, attr_buf, 120) != 0:
         return 0
     (misses,) = struct.unpack_from("<Q", info, RECURSION_MISSES_OFFSET)
     return int(misses)
