@@ -5,7 +5,8 @@
 For each round: fio without kvprof, fio with `kvprof record` attached, fio without again, on
 a private loop device over /dev/shm (4 KiB random reads, io_uring QD32, and psync QD1). Prints
 IOPS and the attached/baseline ratio, for each capture mode: `events` (the default: the
-aggregate tier plus a row per I/O) and `aggregate` (`--no-events`: only the in-kernel counts),
+aggregate tier plus a row per I/O, sampled past --event-rate), `all-events` (a row for every
+I/O: --event-rate 0) and `aggregate` (`--no-events`: only the in-kernel counts),
 and how long attaching and detaching took. Mode `floor` attaches empty programs on the same
 raw tracepoints instead (floor_probes.py): the cost of attaching alone, below which no tracer
 of these tracepoints can go on this machine. Then times `kvprof report` on the recorded session
@@ -25,7 +26,8 @@ from pathlib import Path
 
 from loopdev import loop_device
 
-MODES = {"events": [], "aggregate": ["--no-events"], "floor": None}
+MODES = {"events": [], "all-events": ["--event-rate", "0"], "aggregate": ["--no-events"],
+         "floor": None}
 HERE = Path(__file__).resolve().parent
 JOBS = {
     "io_uring QD32": ["--ioengine=io_uring", "--iodepth=32"],

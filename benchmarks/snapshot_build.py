@@ -70,6 +70,7 @@ class Synth:
             "bytes_asked": pa.nulls(n, pa.uint64()),
             "cache": pa.nulls(n, pa.string()),
             "inode": pa.nulls(n, pa.uint64()),
+            "sample_weight": pa.array(np.ones(n, np.uint32)),
         }, schema=schema.IO)
         tbl = tbl.take(np.argsort(issue + lat, kind="stable"))
         done = np.asarray(tbl["complete_ns"]) < t_to

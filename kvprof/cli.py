@@ -39,6 +39,10 @@ def _record_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-size", type=_size, metavar="SIZE",
                    help="end the recording cleanly once the session takes this much disk "
                         "(e.g. 500M, 20G)")
+    p.add_argument("--event-rate", type=_count, default=100_000, metavar="N",
+                   help="block and io_uring rows a second kept before the event tier samples "
+                        "(1 in 2, 4, ...; every request is still counted exactly); 0: keep "
+                        "every one (default: 100000)")
     p.add_argument("--socket", help="marker socket path (default: $KVPROF_SOCKET or "
                                     "/run/kvprof/marks.sock)")
     p.add_argument("--phases", dest="phase_sources", action="append", default=[],
@@ -93,6 +97,16 @@ def _layers(args) -> tuple[str, ...]:
         if find_cufile():
             layers.append("gds")
     return tuple(layers)
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r}")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +166,8 @@ def cmd_record(args) -> int:
     opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
                          cgroups=args.cgroup, layers=_layers(args),
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
-                         caches=args.caches, events=args.events, max_size=args.max_size)
+                         caches=args.caches, events=args.events, max_size=args.max_size,
+                         event_rate=args.event_rate)
     if args.ebpf:
         from kvprof.capture.ebpf import build_program
 
@@ -182,7 +197,8 @@ def cmd_top(args) -> int:
     opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
                          cgroups=args.cgroup, layers=_layers(args),
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
-                         caches=args.caches, max_size=args.max_size)
+                         caches=args.caches, max_size=args.max_size,
+                         event_rate=args.event_rate)
     return run_live(opts, interval_s=args.interval)
 
 

@@ -142,8 +142,14 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
     lost = {k: int(v) for k, v in info.lost.items()}
     exact = _exact(rows, phases, pieces, view, info)
     events = info.config.get("device_events", True)
-    if not events and exact is not None:
-        _from_exact(phases, exact)
+    shifts = rows.sampling(t0, t1) if events else []
+    sampling = None
+    if any(shifts):
+        # One rate over the span: the kept rows are a uniform sample, their percentiles
+        # unbiased. Several: rows of the sparser stretches would weigh too little.
+        sampling = {"max_one_in": 1 << max(shifts), "uniform": len(set(shifts)) == 1}
+    if (not events or sampling) and exact is not None:
+        _from_exact(phases, exact, sampling)
     return {
         "session": {
             "id": info.session_id,
@@ -163,6 +169,10 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             # False: recorded with --no-events; the device layers' figures are the exact
             # section's, without exact percentiles.
             "device_events": events,
+            # Where the event tier sampled the device layers in this span (past
+            # --event-rate): 1 in up to max_one_in requests kept; their counts, rates and
+            # idle are then the exact section's, percentiles the sample's when `uniform`.
+            "event_sampling": sampling,
             "processes": rows.processes(),
         },
         "phases": phases,
@@ -241,15 +251,20 @@ def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
     return out
 
 
-def _from_exact(phases: dict, exact: dict) -> None:
-    """A session recorded without device-layer events: the device layers' per-phase figures
-    from the aggregate tier. Percentiles stay null (the kernel kept log2 histograms, not the
+def _from_exact(phases: dict, exact: dict, sampling: dict | None = None) -> None:
+    """A span whose device-layer events are missing (--no-events) or sampled: the device
+    layers' per-phase counts, rates, sizes and idle from the aggregate tier. Percentiles are
+    the sample's where it is uniform, else null (the kernel kept log2 histograms, not the
     values); size histograms have the events' buckets (powers of two)."""
+    keep = sampling is not None and sampling["uniform"]
     for p in schema.PHASES:
         for layer in schema.DEVICE_LAYERS:
             for op, e in exact["phases"][p][layer].items():
                 entry = phases[p][layer].setdefault(op, _op_entry(0, 0, phases[p]["time_s"]))
+                kept = {k: entry[k] for k in ("latency_us", "queue_us", "device_us")}
                 entry.update(_op_entry(e["bytes"], e["ios"], phases[p]["time_s"]))
+                if keep:
+                    entry.update(kept)
                 entry["size_hist"] = {k: n for k, n in e["size_hist"].items() if k != "0"}
                 # The log2 slot the 99th percentile of service time falls in: below this.
                 entry["p99_below_us"] = e["service_us_below"]["p99"]

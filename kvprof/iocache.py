@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 
 from kvprof import schema
 from kvprof.intervals import busy_islands_ordered
+from kvprof.store import weighted_bytes
 
 # Columns kept per I/O: what correlate and the dashboard read, as small fixed-width numbers.
 _DTYPES = {
@@ -42,9 +43,10 @@ def _sql_list(values) -> str:
     return "[" + ", ".join("'" + v + "'" for v in values) + "]"
 
 
+# {bytes}: weighted by the event tier's sampling where the session has the column.
 _SELECT = f"""
     SELECT issue_ns, CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END,
-           complete_ns, bytes::BIGINT,
+           complete_ns, {{bytes}}::BIGINT,
            (list_position({_sql_list(schema.LAYERS)}, layer) - 1)::TINYINT,
            (greatest(list_position({_sql_list(schema.OPS)}, op), 1) - 1)::TINYINT,
            dev_name, coalesce(tgid, 0)::BIGINT, rowid
@@ -116,7 +118,8 @@ class IoCache:
                 skipped = cur.execute(
                     f"SELECT max(issue_ns) FROM io WHERE rowid < {wm}").fetchall()[0][0]
                 self._drop_before(int(skipped) + 1)
-        tbl = cur.sql(f"{_SELECT} WHERE rowid >= {wm}").to_arrow_table()
+        select = _SELECT.format(bytes=weighted_bytes(cur))
+        tbl = cur.sql(f"{select} WHERE rowid >= {wm}").to_arrow_table()
         if tbl.num_rows == 0:
             return 0
         top = pc.max(tbl.column(8)).as_py()

@@ -22,6 +22,8 @@ from kvprof.devices import Device, resolve
 from kvprof.errors import EX_UNAVAILABLE, EX_USAGE, KvprofError
 from kvprof.markers import socket_path
 from kvprof.phases import registry
+from kvprof.sampling import Sampler
+from kvprof.sampling import row as sampling_row
 from kvprof.store import DB_FILE, Store
 
 if TYPE_CHECKING:
@@ -46,6 +48,9 @@ class RecordOptions:
     # tier counts those layers (--no-events).
     events: bool = True
     max_size: int | None = None  # bytes on disk at which the recording ends (--max-size)
+    # Device-layer rows a second the event tier keeps before it samples (--event-rate); 0:
+    # every one.
+    event_rate: int = 100_000
 
 
 def default_out() -> Path:
@@ -139,6 +144,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         capture = Capture(opts.layers, filters, cache_rules=cache_rules,
                           device_events=opts.events)
         marks.follow(capture.set_phase)
+        sampler = Sampler(opts.event_rate if opts.events else 0, capture.set_sampling)
         start_ns = time.monotonic_ns()
         offset = time.time_ns() - time.monotonic_ns()
         row = {
@@ -158,12 +164,15 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                                   "phase_sources": ["marks", *(str(sp) for sp, _ in sources)],
                                   "caches": [[r.name, r.glob] for r in cache_rules],
                                   "device_events": opts.events,
+                                  "event_rate": opts.event_rate if opts.events else None,
                                   "aggregate": capture.aggregate is not None}),
             "lost": "{}",
             "sources": "[]",
             "status": "recording",
         }
         store.write_session(row)
+        if opts.events and set(opts.layers) & {"block", "io_uring"}:
+            store.append("event_sampling", sampling_row(start_ns, 0))
         capture.start()
         for _, src in sources:
             src.start()
@@ -186,7 +195,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 timeout = min(timeout, max(0.0, deadline - time.monotonic()))
             if stop.wait(timeout) or (deadline is not None and time.monotonic() >= deadline):
                 break
-            now = _drain(store, capture, feeds)
+            now = _drain(store, capture, feeds, sampler)
             flushes += 1
             if opts.max_size is not None and _disk_bytes(out) >= opts.max_size:
                 log(f"kvprof: the session reached --max-size ({opts.max_size >> 20} MiB); "
@@ -202,7 +211,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         end_ns = time.monotonic_ns()
         for src in feeds:
             src.stop(end_ns)
-        _drain(store, capture, feeds, closed=True)
+        _drain(store, capture, feeds, sampler, closed=True)
         lost = capture.lost() | marks.counts()
         row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
                    sources=json.dumps([{"source": str(sp), **_status(src)}
@@ -230,11 +239,14 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 shutil.rmtree(out, ignore_errors=True)
 
 
-def _drain(store: Store, capture, feeds: tuple, closed: bool = False) -> int:
+def _drain(store: Store, capture, feeds: tuple, sampler: Sampler,
+           closed: bool = False) -> int:
     """Move what capture and the phase sources collected into the store; return the time
     the open windows were cut at. `closed`: the sources have stopped, no window is open."""
     for table, rows in capture.take().items():
         store.append(table, rows)
+        if table == "io" and not closed:
+            store.append("event_sampling", sampler.saw(rows))
     for src in feeds:
         for table, rows in src.take().items():
             store.append(table, rows)

@@ -100,6 +100,14 @@ def to_text(summary: dict, name: str = "") -> str:
     if left.get("bytes"):
         lines += ["", f"writeback no traced write explains: {human_bytes(left['bytes'])} "
                       f"in {left['ios']} bios"]
+    sampled = s.get("event_sampling")
+    if sampled:
+        how = ("percentiles from the sample" if sampled["uniform"] else
+               "no exact percentiles (the rate changed; see p99< above)")
+        lines += [""] + textwrap.wrap(
+            f"block/io_uring rows sampled past --event-rate (1 in up to "
+            f"{sampled['max_one_in']}): counts, rates and idle are the exact counts; {how}",
+            WIDTH, subsequent_indent="  ")
     if s["lost_events"]:
         lines += ["", "lost: " + ", ".join(f"{k} {v}" for k, v in s["lost_by_reason"].items()
                                             if v)]

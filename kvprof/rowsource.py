@@ -30,7 +30,8 @@ from kvprof import rollup, schema
 from kvprof.intervals import busy_islands, busy_islands_ordered
 from kvprof.iocache import IoCache
 from kvprof.rollup import GRID_NS, Rollup
-from kvprof.store import Reader, SessionInfo, missing_columns, phase_windows, session_info
+from kvprof.store import (Reader, SessionInfo, missing_columns, phase_windows, session_info,
+                          weighted_bytes)
 
 NS = 1_000_000_000
 # A view switched while its SQL still runs: the feed catches this and builds the new view.
@@ -136,6 +137,11 @@ class RowSource:
         without it."""
         raise NotImplementedError
 
+    def sampling(self, t0: int, t1: int) -> list[int]:
+        """The event tier's sampling shifts in effect during [t0, t1) (schema.EVENT_SAMPLING),
+        in order; empty for a session without device-layer events or recorded before it."""
+        raise NotImplementedError
+
     def refresh(self) -> None:
         """Take in rows stored since the last call (a live cache); nothing for SQL."""
 
@@ -224,6 +230,18 @@ class SqlRows(RowSource):
             return None  # recorded before the aggregate tier
         return agg, busy
 
+    def sampling(self, t0: int, t1: int) -> list[int]:
+        try:
+            rows = self.cur.execute("""
+                SELECT shift FROM event_sampling
+                WHERE ts_ns >= coalesce((SELECT max(ts_ns) FROM event_sampling
+                                         WHERE ts_ns <= ?), -9223372036854775807)
+                  AND ts_ns < ?
+                ORDER BY ts_ns""", [int(t0), int(t1)]).fetchall()
+        except duckdb.CatalogException:
+            return []  # recorded before sampling
+        return [int(r[0]) for r in rows]
+
     def row_count(self) -> int:
         return self.cur.execute("SELECT count(*) FROM io").fetchall()[0][0]
 
@@ -279,7 +297,7 @@ class SqlRows(RowSource):
                 ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start),
             dev AS (
                 SELECT s.pid, s.issue_ns, sum(b.bytes) AS bytes
-                FROM s JOIN (SELECT pid, issue_ns, bytes FROM io
+                FROM s JOIN (SELECT pid, issue_ns, {weighted_bytes(self.cur)} AS bytes FROM io
                              WHERE layer = 'block' AND op = 'read') b
                   ON b.pid = s.pid AND b.issue_ns >= s.issue_ns AND b.issue_ns < s.complete_ns
                 WHERE s.op = 'read' GROUP BY ALL)
@@ -353,7 +371,7 @@ class SqlRows(RowSource):
             rows = self._joined(pieces, f"""
                 SELECT w.w_phase, io.layer, io.op, (io.issue_ns - ?) // {GRID_NS} - ?,
                        sum(io.bytes)::UBIGINT
-                FROM (SELECT layer, op, issue_ns, bytes FROM io
+                FROM (SELECT layer, op, issue_ns, {weighted_bytes(self.cur)} AS bytes FROM io
                       WHERE {_and("issue_ns >= ? AND issue_ns < ?", cond)}) io
                 ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start
                 GROUP BY ALL""", [origin, int(c0), t0, t1, *params])
@@ -366,7 +384,8 @@ class SqlRows(RowSource):
         seen = np.zeros(len(schema.LAYERS), bool)
         bins = np.zeros((len(schema.DEVICE_LAYERS), nbins), np.int64)
         for layer, b, nbytes in self.cur.execute(f"""
-                SELECT layer, (issue_ns - ?) // ?, sum(bytes)::UBIGINT FROM io
+                SELECT layer, (issue_ns - ?) // ?, sum({weighted_bytes(self.cur)})::UBIGINT
+                FROM io
                 WHERE {_and("issue_ns >= ? AND issue_ns < ?", cond)} GROUP BY ALL""",
                                                  [lo, bin_ns, lo, t1, *params]).fetchall():
             if layer in schema.LAYERS:
@@ -430,6 +449,9 @@ class LiveRows(RowSource):
     def aggregate(self, t0: int, t1: int, whole: bool, device: str | None
                   ) -> tuple[list[tuple], list[tuple]] | None:
         return self.sql.aggregate(t0, t1, whole, device)
+
+    def sampling(self, t0: int, t1: int) -> list[int]:
+        return self.sql.sampling(t0, t1)
 
     def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         # The row cache keeps no paths: syscall rows are few beside block rows, SQL it is.

@@ -80,6 +80,18 @@ IO = pa.schema(
         ("cache", pa.string()),
         # syscall: the file's inode, which names it in the writeback table.
         ("inode", pa.uint64()),
+        # The device layers: this row stands for that many requests (the event tier kept 1
+        # in sample_weight; see EVENT_SAMPLING); 1 elsewhere. Absent from older sessions.
+        ("sample_weight", pa.uint32()),
+    ]
+)
+
+# The event tier's sampling of the device layers: from ts_ns on, 1 in 2^shift block and
+# io_uring requests became an io row (0: every one). The aggregate tier counts them all.
+EVENT_SAMPLING = pa.schema(
+    [
+        ("ts_ns", pa.int64()),
+        ("shift", pa.uint8()),
     ]
 )
 
@@ -244,7 +256,8 @@ PHASE_OPEN = PHASE
 
 TABLES = {"io": IO, "phase": PHASE, "session": SESSION, "gpu": GPU, "kv_event": KV_EVENT,
           "engine_metric": ENGINE_METRIC, "phase_open": PHASE_OPEN, "writeback": WRITEBACK,
-          "process": PROCESS, "io_agg": IO_AGG, "device_busy": DEVICE_BUSY}
+          "process": PROCESS, "io_agg": IO_AGG, "device_busy": DEVICE_BUSY,
+          "event_sampling": EVENT_SAMPLING}
 
 _DUCK = {
     pa.string(): "VARCHAR",

@@ -154,6 +154,14 @@ def missing_columns(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
     return [f.name for f in schema.TABLES[table] if f.name not in have]
 
 
+def weighted_bytes(cur: duckdb.DuckDBPyConnection) -> str:
+    """The SQL for the bytes a row stands for: its own times its sample weight (the event
+    tier's sampling of the device layers), for sessions that have the column."""
+    if "sample_weight" in missing_columns(cur, "io"):
+        return "bytes"
+    return "(bytes * coalesce(sample_weight, 1))"
+
+
 def phase_windows(con: duckdb.DuckDBPyConnection, t0: int | None = None,
                   t1: int | None = None) -> pa.Table:
     """Closed windows plus those still open at the last flush (absent in older sessions);

@@ -54,9 +54,12 @@ static __always_inline u32 rq_dev(void *rq)
     return dev;
 }
 
-/* A request we held as in flight whose completion we never saw (the kernel skips a program
- * that would nest in itself on one CPU): it is over, for the device's in-flight count, by the
- * time it starts again. */
+/* A request we held as in flight whose completion we never saw: it is over, for the device's
+ * in-flight count, by the time it starts again, and counted as lost. The kernel skips a
+ * program that would nest in itself on one CPU (recursion_misses), and on 6.18 loop devices
+ * a few requests per million complete with block_rq_complete run fewer times than
+ * block_rq_issue and no miss counted (the same with classic tracepoints); diskstats counts
+ * them, so they are reported lost rather than merged into the next request. */
 static __always_inline void forget_unseen(struct kvprof_inflight *s, u64 now)
 {
     kvprof_count(KVPROF_LOST_BLOCK_NOT_SEEN);
@@ -83,7 +86,7 @@ static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, 
     s->done = 0;
     s->phase = kvprof_phase_now();
     s->layer = KVPROF_LAYER_BLOCK;
-    kvprof_who(s, id >> 32, (u32)id);
+    s->flags |= kvprof_start_event(s, id >> 32, (u32)id);
     if (!(flags & KVPROF_FL_FILTERED))
         kvprof_dev_tick(dev, insert_ns ? insert_ns : issue_ns, 1);
 }
@@ -212,6 +215,7 @@ RAW_TRACEPOINT_PROBE(block_rq_complete)
     e.flags = s->flags;
     e.op = s->op;
     e.layer = KVPROF_LAYER_BLOCK;
+    e.sample_shift = s->sample_shift;
     __builtin_memcpy(e.comm, s->comm, sizeof(e.comm));
     u8 phase = s->phase;
     u64 queue_ns = e.insert_ns && s->issue_ns ? s->issue_ns - e.insert_ns : 0;
@@ -219,8 +223,10 @@ RAW_TRACEPOINT_PROBE(block_rq_complete)
     kvprof_agg(KVPROF_LAYER_BLOCK, e.op, e.dev, phase, e.bytes, queue_ns, now - e.issue_ns, now);
     kvprof_dev_tick(e.dev, now, -1);
 #ifndef KVPROF_NO_DEVICE_EVENTS
-    e.sector = KVPROF_FIELD(u64, rq, KVPROF_RQ_SECTOR);
-    kvprof_emit(&e);
+    if (!(e.flags & KVPROF_FL_UNSAMPLED)) {
+        e.sector = KVPROF_FIELD(u64, rq, KVPROF_RQ_SECTOR);
+        kvprof_emit(&e);
+    }
 #endif
     return 0;
 }

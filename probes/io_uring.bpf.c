@@ -38,8 +38,7 @@ RAW_TRACEPOINT_PROBE(io_uring_submit_req)
     s->opcode = opcode;
     s->phase = kvprof_phase_now();
     s->layer = KVPROF_LAYER_IO_URING;
-    s->flags = 0;
-    kvprof_who(s, tgid, (u32)id);
+    s->flags = kvprof_start_event(s, tgid, (u32)id);
     return 0;
 }
 
@@ -65,6 +64,8 @@ RAW_TRACEPOINT_PROBE(io_uring_complete)
     e.op = s->op;
     e.opcode = s->opcode;
     e.layer = KVPROF_LAYER_IO_URING;
+    e.flags = s->flags;
+    e.sample_shift = s->sample_shift;
     __builtin_memcpy(e.comm, s->comm, sizeof(e.comm));
     u8 phase = s->phase;
     kvprof_release(slot);

@@ -27,13 +27,15 @@
 #define KVPROF_FL_DIRECT (1 << 5)
 /* Start-map entry of a request whose task was filtered out: dropped silently at completion. */
 #define KVPROF_FL_FILTERED (1 << 15)
+/* In-flight entry of a request the event tier's sampling left out (counted all the same). */
+#define KVPROF_FL_UNSAMPLED (1 << 14)
 
 /* Indexes into the per-CPU counters array. */
 #define KVPROF_LOST_RINGBUF 0
 #define KVPROF_LOST_BLOCK_UNMATCHED 1
-/* A request seen again (issued, or its req reused) while we still held it as in flight: the
- * kernel skipped our completion probe, as it skips any BPF program that would run while
- * another one runs on that CPU (e.g. a completion interrupt during a submit probe). */
+/* A request seen again (issued, or its req reused) while we still held it as in flight, or
+ * still held at stop: its completion never reached our probe (see forget_unseen in
+ * block.bpf.c). */
 #define KVPROF_LOST_BLOCK_NOT_SEEN 2
 #define KVPROF_LOST_URING_NOT_SEEN 3
 /* An open whose record found the opens ring full: its file's I/O is not traced. */
@@ -67,7 +69,8 @@ struct kvprof_io {
     u8 op;
     u8 layer;
     u8 opcode; /* io_uring: IORING_OP_*; syscall: which syscall */
-    u8 pad[3];
+    u8 sample_shift; /* the device layers: 1 in 2^sample_shift requests was kept */
+    u8 pad[2];
     u32 asked; /* syscall: bytes asked for */
     char comm[16];
 };
@@ -465,7 +468,8 @@ struct kvprof_inflight {
     u8 phase; /* kvprof's phase when the request started (aggregate tier) */
     u8 opcode;
     u8 layer;
-    u8 pad[6];
+    u8 sample_shift;
+    u8 pad[5];
     char comm[16];
 };
 
@@ -531,15 +535,29 @@ static __always_inline void kvprof_release(int slot)
         __sync_lock_test_and_set(&bk->key[slot & (KVPROF_BUCKET - 1)], 0);
 }
 
-/* Who started the request: its task (submission runs in the submitter's context; block
- * completion does not). Only the event tier and the task filters need it. */
-static __always_inline void kvprof_who(struct kvprof_inflight *s, u32 tgid, u32 pid)
+/* The event tier's sampling: 1 in 2^sample_shift[0] device-layer requests becomes a row;
+ * capture raises it past the event rate it sustains (record --event-rate) and lowers it
+ * again. Every request is counted by the aggregate tier all the same. */
+BPF_ARRAY(sample_shift, u32, 1);
+
+/* A request starts: whether the event tier keeps it, and if so who started it (submission
+ * runs in the submitter's context; block completion does not). Returns the flag to add. */
+static __always_inline u16 kvprof_start_event(struct kvprof_inflight *s, u32 tgid, u32 pid)
 {
     s->pid = pid;
     s->tgid = tgid;
-#ifndef KVPROF_NO_DEVICE_EVENTS
+#ifdef KVPROF_NO_DEVICE_EVENTS
+    return KVPROF_FL_UNSAMPLED;
+#else
+    int zero = 0;
+    u32 *k = sample_shift.lookup(&zero);
+    u32 shift = k ? *k & 31 : 0;
+    s->sample_shift = shift;
+    if (shift && (bpf_get_prandom_u32() & ((1U << shift) - 1)))
+        return KVPROF_FL_UNSAMPLED;
     s->cgroup_id = bpf_get_current_cgroup_id();
     bpf_get_current_comm(&s->comm, sizeof(s->comm));
+    return 0;
 #endif
 }
 
@@ -548,11 +566,12 @@ static __always_inline void kvprof_who(struct kvprof_inflight *s, u32 tgid, u32 
 #define KVPROF_FIELD(type, ptr, off) ({ type _v = 0; \
     bpf_probe_read_kernel(&_v, sizeof(_v), (const char *)(ptr) + (off)); _v; })
 
-/* The device layers' per-I/O rows; `--no-events` leaves only the aggregate tier. */
+/* The device layers' per-I/O rows: those sampling kept (`--no-events`: none). */
 static __always_inline void kvprof_emit_device(struct kvprof_io *e)
 {
 #ifndef KVPROF_NO_DEVICE_EVENTS
-    kvprof_emit(e);
+    if (!(e->flags & KVPROF_FL_UNSAMPLED))
+        kvprof_emit(e);
 #endif
 }
 

@@ -143,7 +143,11 @@ def start_recorder(tmp_path):
     def start(*args: str, name: str = "session") -> Recorder:
         out = tmp_path / name
         sock = str(tmp_path / f"{name}.sock")
-        proc = subprocess.Popen(KVPROF + ["record", "-o", str(out), "--socket", sock, *args],
+        # Every row: the tests compare the event tier with the kernel's counts (a test of
+        # sampling passes its own --event-rate).
+        rate = [] if "--event-rate" in args else ["--event-rate", "0"]
+        proc = subprocess.Popen(KVPROF + ["record", "-o", str(out), "--socket", sock, *rate,
+                                          *args],
                                 stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         lines: list[str] = []
         ready = threading.Event()

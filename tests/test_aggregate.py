@@ -173,3 +173,40 @@ def test_a_mark_sent_while_the_probes_compile_sets_the_kernels_phase(loopdev, st
     got = rec.report()["exact"]["phases"]["prefill"]["block"]["write"]
     print(f"written under the early mark: kernel {d[WRITE_IOS]} ios, exact {got['ios']}")
     assert (got["ios"], got["bytes"]) == (d[WRITE_IOS], d[WRITE_SECTORS] * 512)
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="needs fio")
+def test_past_the_event_rate_rows_are_sampled_and_counts_stay_exact(loopdev, start_recorder,
+                                                                     tmp_path):
+    """At the device's full rate with --event-rate 20000 the event tier keeps 1 in 2^k
+    requests: the counts are the kernel's all the same, and the kept rows, weighted, estimate
+    them."""
+    rec = start_recorder("-d", loopdev, "--event-rate", "20000")
+    s0 = settle(loopdev)
+    fio_randread(loopdev, 4, tmp_path / "fio.json")
+    s1 = settle(loopdev)
+    assert rec.stop() == 0, "".join(rec.stderr_lines)
+    report = rec.report()
+    d = stat_delta(s0, s1)
+    sampling = report["session"]["event_sampling"]
+    con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
+    try:
+        kept, weighted = con.execute("""
+            SELECT count(*), sum(sample_weight) FROM io
+            WHERE layer = 'block' AND op = 'read'""").fetchall()[0]
+        shifts = [s for _, s in con.execute(
+            "SELECT ts_ns, shift FROM event_sampling ORDER BY ts_ns").fetchall()]
+    finally:
+        con.close()
+    ours = report["exact"]["totals"]["block"]["read"]["ios"]
+    print(f"kernel {d[READ_IOS]} reads; exact {ours}; rows kept {kept}, weighted {weighted}; "
+          f"shifts {shifts}; {sampling}")
+    assert 0 <= d[READ_IOS] - ours <= skipped(report)
+    assert shifts[0] == 0 and max(shifts) >= 3 and sampling["max_one_in"] == 1 << max(shifts)
+    assert kept < d[READ_IOS] / 4
+    # Each kept row stands for its weight: together an unbiased estimate of the count.
+    assert abs(weighted - d[READ_IOS]) <= 0.05 * d[READ_IOS]
+    # Sampled: the per-phase figures are the exact ones, not the rows'.
+    assert report["phases"]["idle"]["block"]["read"]["ios"] == ours
+    assert not sampling["uniform"]
+    assert report["phases"]["idle"]["block"]["read"]["latency_us"]["p99"] is None

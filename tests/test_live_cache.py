@@ -126,6 +126,7 @@ class Session:
             "bytes_asked": pa.nulls(n, pa.uint64()),
             "cache": pa.nulls(n, pa.string()),
             "inode": pa.nulls(n, pa.uint64()),
+            "sample_weight": pa.array(np.ones(n, np.uint32)),
         }, schema=schema.IO)
         self.io = pa.concat_tables([self.io, self._file_syscalls(seconds, rate // 8, seed)])
         # Stored in completion order, as the recorder stores them.
@@ -175,6 +176,7 @@ class Session:
             "path": np.char.add("/kv/", cache), "bytes_asked": nbytes.astype(np.uint64),
             "cache": cache,
             "inode": np.where(cache == "vllm-fs-tier", 12, 13).astype(np.uint64),
+            "sample_weight": np.ones(n, np.uint32),
         }, schema=schema.IO)
 
     def flush_until(self, now: int) -> None:

@@ -44,7 +44,8 @@ EVENT_DTYPE = np.dtype(
         ("op", "u1"),
         ("layer", "u1"),
         ("opcode", "u1"),
-        ("pad", "V3"),
+        ("sample_shift", "u1"),
+        ("pad", "V2"),
         ("asked", "<u4"),
         ("comm", "S16"),
     ]
@@ -182,6 +183,10 @@ class Capture:
         if {"block", "io_uring"} & set(layers):
             self.aggregate = AggregateReader(self.bpf, self.device)
         self._thread = threading.Thread(target=self._drain_loop, name="kvprof-drain", daemon=True)
+
+    def set_sampling(self, shift: int) -> None:
+        """From now on the event tier keeps 1 in 2**shift device-layer requests."""
+        self.bpf["sample_shift"][ctypes.c_int(0)] = ctypes.c_uint32(shift)
 
     def set_phase(self, phase: str) -> None:
         """The phase the aggregate tier counts requests issued from now on under."""
@@ -469,6 +474,8 @@ class Capture:
             "bytes_asked": pa.array(ev["asked"].astype(np.uint64), mask=~sysc),
             "cache": per_file("cache", pa.string()),
             "inode": per_file("inode", pa.uint64()),
+            "sample_weight": pa.array(np.left_shift(np.uint32(1), ev["sample_shift"]
+                                                    .astype(np.uint32))),
         }
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO], schema=schema.IO)
 
@@ -477,7 +484,8 @@ class Capture:
 INFLIGHT_DTYPE = np.dtype([("insert_ns", "<u8"), ("issue_ns", "<u8"), ("cgroup_id", "<u8"),
                            ("dev", "<u4"), ("bytes", "<u4"), ("done", "<u4"), ("pid", "<u4"),
                            ("tgid", "<u4"), ("flags", "<u2"), ("op", "u1"), ("phase", "u1"),
-                           ("opcode", "u1"), ("layer", "u1"), ("pad", "V6"), ("comm", "S16")])
+                           ("opcode", "u1"), ("layer", "u1"), ("sample_shift", "u1"),
+                           ("pad", "V5"), ("comm", "S16")])
 assert INFLIGHT_DTYPE.itemsize == 72
 
 
