@@ -39,10 +39,10 @@ def _record_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-size", type=_size, metavar="SIZE",
                    help="end the recording cleanly once the session takes this much disk "
                         "(e.g. 500M, 20G)")
-    p.add_argument("--event-rate", type=_count, default=100_000, metavar="N",
+    p.add_argument("--event-rate", type=_count, default=50_000, metavar="N",
                    help="block and io_uring rows a second kept before the event tier samples "
                         "(1 in 2, 4, ...; every request is still counted exactly); 0: keep "
-                        "every one (default: 100000)")
+                        "every one (default: 50000)")
     p.add_argument("--socket", help="marker socket path (default: $KVPROF_SOCKET or "
                                     "/run/kvprof/marks.sock)")
     p.add_argument("--phases", dest="phase_sources", action="append", default=[],

@@ -50,7 +50,7 @@ class RecordOptions:
     max_size: int | None = None  # bytes on disk at which the recording ends (--max-size)
     # Device-layer rows a second the event tier keeps before it samples (--event-rate); 0:
     # every one.
-    event_rate: int = 100_000
+    event_rate: int = 50_000
 
 
 def default_out() -> Path:

@@ -4,8 +4,9 @@ count). The aggregate tier counts every request whatever this decides; the rows 
 weight (schema.IO sample_weight) and each change is stored (schema.EVENT_SAMPLING), so reports
 know which figures are exact and which sampled.
 
-Raised at once when the rate is over the budget (a burst must not flood the ring and the
-store), lowered one step after CALM_S seconds in a row that would fit the budget even then.
+Decided at every take (WINDOW_S or more apart): raised at once when the rate is over the
+budget (a burst must not flood the ring and the store), lowered one step after CALM_S seconds
+in a row that would fit the budget even then.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import pyarrow.compute as pc
 from kvprof import schema
 
 MAX_SHIFT = 16
-CALM_S = 3
+WINDOW_S = 0.25
+CALM_S = 3.0
 DEVICE_LAYERS = list(schema.DEVICE_LAYERS)
 
 
@@ -31,7 +33,7 @@ class Sampler:
         self._set = set_shift
         self._offered = 0
         self._since = time.monotonic()
-        self._calm = 0
+        self._calm = 0.0
 
     def saw(self, io: pa.RecordBatch | None, now_ns: int | None = None
             ) -> pa.RecordBatch | None:
@@ -44,7 +46,7 @@ class Sampler:
             self._offered += int(weights[np.asarray(device, bool)].sum())
         now = time.monotonic()
         elapsed = now - self._since
-        if elapsed < 1.0:
+        if elapsed < WINDOW_S:
             return None
         rate = self._offered / elapsed
         self._offered, self._since = 0, now
@@ -52,15 +54,15 @@ class Sampler:
         while want < MAX_SHIFT and rate / (1 << want) > self.max_rate:
             want += 1
         if want > self.shift:
-            self._calm = 0
+            self._calm = 0.0
             return self._change(want, now_ns)
         if want < self.shift:
-            self._calm += 1
+            self._calm += elapsed
             if self._calm >= CALM_S:
-                self._calm = 0
+                self._calm = 0.0
                 return self._change(self.shift - 1, now_ns)
         else:
-            self._calm = 0
+            self._calm = 0.0
         return None
 
     def _change(self, shift: int, now_ns: int | None) -> pa.RecordBatch:

@@ -31,7 +31,7 @@ def test_the_shift_rises_at_once_and_falls_one_step_after_calm(monkeypatch):
     # Quiet: down one step only after CALM_S seconds that would fit. Rows of other layers
     # are not sampled and do not count.
     assert second(100_000, 1, "syscall") is None
-    for _ in range(sampling.CALM_S - 2):
+    for _ in range(int(sampling.CALM_S) - 2):
         assert second(10, 8) is None
     assert second(10, 8) is not None and s.shift == 2
     assert set_to == [3, 2]
