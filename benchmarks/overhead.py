@@ -73,8 +73,8 @@ def main() -> int:
                            *args.record_arg]
                     if flags is None:
                         cmd = [sys.executable, str(HERE / "floor_probes.py")]
-                    else:
-                        session = out
+                    elif "--no-events" not in flags:
+                        session = out  # the report is timed on a session with rows
                     rec = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
                     for line in rec.stderr:
                         if "Hit Ctrl-C" in line:
