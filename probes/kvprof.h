@@ -501,17 +501,14 @@ static __always_inline int kvprof_find(u64 key)
  * its bucket is full. */
 static __always_inline int kvprof_claim(u64 key, int *found)
 {
+    int slot = kvprof_find(key);
+    *found = slot >= 0;
+    if (slot >= 0)
+        return slot;
     u32 b = kvprof_bucket_of(key);
     struct kvprof_bucket *bk = inflight_keys.lookup(&b);
-    *found = 0;
     if (!bk)
         return -1;
-#pragma unroll
-    for (int i = 0; i < KVPROF_BUCKET; i++)
-        if (bk->key[i] == key) {
-            *found = 1;
-            return b * KVPROF_BUCKET + i;
-        }
 #pragma unroll
     for (int i = 0; i < KVPROF_BUCKET; i++)
         if (bk->key[i] == 0 && __sync_val_compare_and_swap(&bk->key[i], 0, key) == 0)
