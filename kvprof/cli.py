@@ -119,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("record", help="trace storage I/O and phase marks into a session",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _record_args(p)
+    p.add_argument("--roll", type=_size, metavar="SIZE",
+                   help="go on in a new segment file of the session once the current one "
+                        "takes SIZE on disk; with --max-size the oldest segments are then "
+                        "deleted to stay under it instead of ending (left attached with "
+                        "bounded disk)")
     p.add_argument("--no-events", dest="events", action="store_false",
                    help="no per-I/O rows for the block and io_uring layers: only their exact "
                         "in-kernel counts and histograms per second and phase (the cheapest "
@@ -167,7 +172,7 @@ def cmd_record(args) -> int:
                          cgroups=args.cgroup, layers=_layers(args),
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
                          caches=args.caches, events=args.events, max_size=args.max_size,
-                         event_rate=args.event_rate)
+                         event_rate=args.event_rate, roll=args.roll)
     if args.ebpf:
         from kvprof.capture.ebpf import build_program
 

@@ -24,7 +24,7 @@ from kvprof.markers import socket_path
 from kvprof.phases import registry
 from kvprof.sampling import Sampler
 from kvprof.sampling import row as sampling_row
-from kvprof.store import DB_FILE, Store
+from kvprof.store import DB_FILE, Store, segment_path, segments
 
 if TYPE_CHECKING:
     from kvprof.capture.ebpf import CaptureFilter
@@ -48,6 +48,9 @@ class RecordOptions:
     # tier counts those layers (--no-events).
     events: bool = True
     max_size: int | None = None  # bytes on disk at which the recording ends (--max-size)
+    # Bytes on disk at which the recording goes on in a new segment file (--roll); with
+    # max_size, the oldest segments are deleted to stay under it instead of ending.
+    roll: int | None = None
     # Device-layer rows a second the event tier keeps before it samples (--event-rate); 0:
     # every one.
     event_rate: int = 50_000
@@ -189,6 +192,13 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         feeds = (marks, *(s for _, s in sources))
         deadline = None if opts.duration_s is None else time.monotonic() + opts.duration_s
         flushes = 0
+        segment, segment_start = 0, start_ns
+
+        def write_row() -> None:
+            # Each segment's row starts where the segment does (store._open_segments).
+            store.write_session({**row, "start_ns": segment_start,
+                                 "start_wall_ns": segment_start + offset})
+
         while not stop.is_set():
             timeout = FLUSH_INTERVAL_S
             if deadline is not None:
@@ -197,14 +207,29 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 break
             now = _drain(store, capture, feeds, sampler)
             flushes += 1
-            if opts.max_size is not None and _disk_bytes(out) >= opts.max_size:
+            row["end_ns"] = now
+            if opts.roll is not None and \
+                    _disk_bytes(out, segment_path(out, segment)) >= opts.roll:
+                row.update(lost=json.dumps(capture.lost() | marks.counts()))
+                write_row()
+                store.close()
+                store = None
+                segment, segment_start = segment + 1, now
+                store = Store.create(out, segment)
+                write_row()
+                if sampler.max_rate:
+                    store.append("event_sampling", sampling_row(now, sampler.shift))
+                if opts.max_size is not None:
+                    _prune(out, opts.max_size, log)
+                continue
+            if opts.roll is None and opts.max_size is not None and \
+                    _disk_bytes(out) >= opts.max_size:
                 log(f"kvprof: the session reached --max-size ({opts.max_size >> 20} MiB); "
                     "ending the recording")
                 break
-            row["end_ns"] = now
             if flushes % LOST_EVERY == 0:  # live views show losses while they happen
                 row.update(lost=json.dumps(capture.lost() | marks.counts()))
-                store.write_session(row)
+                write_row()
             else:
                 store.mark_end(now)
         capture.stop()
@@ -217,7 +242,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                    sources=json.dumps([{"source": str(sp), **_status(src)}
                                        for sp, src in sources]),
                    devices=_devices_json(filters.devices or tuple(capture.seen_devices())))
-        store.write_session(row)
+        write_row()
         log(f"Recorded {capture.events_total} I/Os in {(end_ns - start_ns) / 1e9:.1f} s; "
             f"lost {sum(lost.values())}. Report: kvprof report {out}")
         return out
@@ -230,7 +255,8 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         for _, src in sources:
             if not src.stopping:
                 src.stop(time.monotonic_ns())
-        store.close()
+        if store is not None:
+            store.close()
         flag.restore()
         if capture is None:
             # The probes never attached: there is nothing to keep, only an empty store.
@@ -256,15 +282,28 @@ def _drain(store: Store, capture, feeds: tuple, sampler: Sampler,
     return now
 
 
-def _disk_bytes(out: Path) -> int:
-    """What the session takes on disk now: its DuckDB file and write-ahead log."""
+def _disk_bytes(out: Path, only: Path | None = None) -> int:
+    """What the session (or one segment of it) takes on disk now: its DuckDB files and
+    write-ahead logs."""
     total = 0
-    for f in (out / DB_FILE, out / (DB_FILE + ".wal")):
-        try:
-            total += f.stat().st_blocks * 512
-        except OSError:
-            pass
+    for db in [only] if only is not None else segments(out):
+        for f in (db, db.with_name(db.name + ".wal")):
+            try:
+                total += f.stat().st_blocks * 512
+            except OSError:
+                pass
     return total
+
+
+def _prune(out: Path, max_size: int, log) -> None:
+    """Delete the oldest segments (never the one being written) while the session takes more
+    than max_size: a recorder left attached keeps the most recent stretch."""
+    parts = segments(out)
+    while len(parts) > 1 and _disk_bytes(out) > max_size:
+        oldest = parts.pop(0)
+        oldest.unlink(missing_ok=True)
+        oldest.with_name(oldest.name + ".wal").unlink(missing_ok=True)
+        log(f"kvprof: --max-size: deleted the oldest segment {oldest.name}")
 
 
 def _status(src) -> dict:

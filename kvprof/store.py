@@ -22,6 +22,25 @@ def db_path(session: str | Path) -> Path:
     return p if p.suffix == ".duckdb" else p / DB_FILE
 
 
+def segment_path(directory: Path, n: int) -> Path:
+    """A session's n-th segment file: session.duckdb first, then session.1.duckdb, ... (a
+    recording rolled with --roll)."""
+    return directory / (DB_FILE if n == 0 else f"session.{n}.duckdb")
+
+
+def segments(directory: Path) -> list[Path]:
+    """The segment files a session directory holds, oldest first (the oldest may have been
+    deleted to keep the session under --max-size)."""
+    found = []
+    for f in directory.glob("session*.duckdb"):
+        parts = f.name.split(".")
+        if f.name == DB_FILE:
+            found.append((0, f))
+        elif len(parts) == 3 and parts[1].isdigit():
+            found.append((int(parts[1]), f))
+    return [f for _, f in sorted(found)]
+
+
 class Store:
     """Writer side. Owned by one thread; rows arrive as Arrow batches."""
 
@@ -30,16 +49,17 @@ class Store:
         self.con = con
 
     @classmethod
-    def create(cls, directory: str | Path) -> "Store":
+    def create(cls, directory: str | Path, segment: int = 0) -> "Store":
         d = Path(directory)
-        if (d / DB_FILE).exists():
+        path = segment_path(d, segment)
+        if path.exists() or (segment == 0 and segments(d)):
             raise KvprofError(f"{d} already holds a session; choose another -o", EX_USAGE)
         try:
             d.mkdir(parents=True, exist_ok=True)
             # DuckDB's default memory limit is 80 % of RAM, and a writer keeps what it wrote
             # cached up to it: RSS would grow with the recording. Past the limit, written
             # blocks are evicted to the file and big live queries spill to its temp folder.
-            con = duckdb.connect(str(d / DB_FILE), config={"memory_limit": WRITER_MEMORY})
+            con = duckdb.connect(str(path), config={"memory_limit": WRITER_MEMORY})
         except (OSError, duckdb.Error) as e:
             raise KvprofError(f"cannot create session in {d}: {e}", EX_USAGE) from None
         for name in schema.TABLES:
@@ -126,6 +146,10 @@ class SessionInfo:
 
 def open_session(session: str | Path) -> duckdb.DuckDBPyConnection:
     """Read-only connection to a recorded session, or a one-line KvprofError."""
+    p = Path(session)
+    parts = segments(p) if p.is_dir() else []
+    if len(parts) > 1 or (parts and parts[0].name != DB_FILE):
+        return _open_segments(parts)
     path = db_path(session)
     if not path.exists():
         raise KvprofError(f"no kvprof session at {session} (expected {path})", EX_NOINPUT)
@@ -197,12 +221,74 @@ def session_info(con: duckdb.DuckDBPyConnection) -> SessionInfo:
         status=r["status"], sources=json.loads(r.get("sources") or "[]"))
 
 
+def _open_segments(parts: list[Path], kind: str = "VIEW") -> duckdb.DuckDBPyConnection:
+    """A rolled session: its segments attached read-only to an in-memory DuckDB, each table a
+    view over all of them (`kind` TABLE: a copy in memory), so everything downstream reads it
+    as one session. The session row is the newest segment's, from the oldest segment's start
+    (each segment's row starts where that segment does)."""
+    con = duckdb.connect(":memory:")
+    try:
+        have: list[set[str]] = []
+        for i, f in enumerate(parts):
+            literal = "'" + str(f).replace("'", "''") + "'"
+            con.execute(f"ATTACH {literal} AS s{i} (READ_ONLY)")
+            have.append({r[0] for r in con.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_catalog = ?",
+                [f"s{i}"]).fetchall()})
+            missing = set(schema.CORE_TABLES) - have[-1]
+            if missing:
+                raise KvprofError(f"{f} is not a kvprof session segment (missing tables: "
+                                  f"{', '.join(sorted(missing))})", EX_DATAERR)
+        last = len(parts) - 1
+        start = con.execute(f"SELECT min(start_ns) FROM ({_union('session', have)})"
+                            ).fetchall()[0][0]
+        since = {}
+        if parts[0].name != DB_FILE and start is not None:
+            # The oldest segments were deleted (--max-size): the session starts at the first
+            # whole second the kept ones hold entirely (the aggregate tier's seconds reach a
+            # segment up to two seconds late), and rows from before are left out.
+            start = -(-int(start) // 1_000_000_000) * 1_000_000_000
+            since = {"io": "issue_ns", "io_agg": "ts_ns", "device_busy": "ts_ns",
+                     "writeback": "ts_ns"}
+        for name in schema.TABLES:
+            if name == "session":
+                con.execute(f"""CREATE {kind} session AS SELECT * REPLACE (
+                    {int(start or 0)} AS start_ns,
+                    {int(start or 0)} + clock_offset_ns AS start_wall_ns)
+                    FROM s{last}.session""")
+            elif name == "phase_open":  # open at the last flush: the newest segment's
+                con.execute(f"CREATE {kind} phase_open AS SELECT * FROM s{last}.phase_open"
+                            if name in have[last] else schema.duckdb_ddl(name))
+            elif any(name in h for h in have):
+                where = f" WHERE {since[name]} >= {int(start)}" if name in since else ""
+                con.execute(f"CREATE {kind} {name} AS SELECT * FROM ({_union(name, have)})"
+                            f"{where}")
+            else:
+                con.execute(schema.duckdb_ddl(name))
+    except duckdb.Error as e:
+        con.close()
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise KvprofError(f"{parts[0].parent} is not a readable kvprof session: {first}",
+                          EX_DATAERR) from None
+    return con
+
+
+def _union(table: str, have: list[set[str]]) -> str:
+    return " UNION ALL BY NAME ".join(f"SELECT * FROM s{i}.{table}"
+                                      for i, h in enumerate(have) if table in h)
+
+
 def open_replay(source: str | Path) -> duckdb.DuckDBPyConnection:
     """A session to replay: a session directory or .duckdb file, or a `kvprof export
     --parquet` directory, loaded into an in-memory DuckDB under the same table names so
     everything downstream reads it the same way."""
     p = Path(source)
     if not (p.is_dir() and (p / "io.parquet").exists()):
+        parts = segments(p) if p.is_dir() else []
+        if len(parts) > 1:
+            # The live row cache reads io by rowid, which views over segments lack: a rolled
+            # session is replayed from tables in memory.
+            return _open_segments(parts, "TABLE")
         return open_session(source)
     con = duckdb.connect(":memory:")
     try:
