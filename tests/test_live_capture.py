@@ -303,3 +303,33 @@ def test_export_reads_back_with_pyarrow_and_duckdb(loopdev, start_recorder, tmp_
                          f"SELECT * FROM read_parquet('{path}'))").fetchall()[0][0]
         assert diff == 0
     assert store.execute("SELECT count(*) FROM io WHERE layer='block'").fetchall()[0][0] >= 200 + 4
+
+
+def test_a_few_rows_reach_user_space_while_recording(loopdev):
+    """Rows wait in a CPU's batch until it fills; at a trickle of I/O the flush run on each
+    CPU hands them over within a fraction of a second, not at stop."""
+    from kvprof.capture.ebpf import Capture, CaptureFilter
+    from kvprof.devices import resolve
+
+    cap = Capture(("block",), CaptureFilter(devices=(resolve(loopdev),)))
+    try:
+        cap.start()
+        direct_random_reads(loopdev, 5, span=1 << 20)
+        deadline, got = time.monotonic() + 2.0, 0
+        while time.monotonic() < deadline and got < 5:
+            time.sleep(0.1)
+            io = cap.take().get("io")
+            got += io.num_rows if io is not None else 0
+        assert got == 5
+    finally:
+        cap.stop()
+
+
+def test_a_kernel_that_cannot_run_a_program_on_a_cpu_is_refused(monkeypatch):
+    from kvprof.capture import ebpf
+    from kvprof.errors import EX_UNAVAILABLE, KvprofError
+
+    monkeypatch.setattr(ebpf, "run_on_cpu", lambda fd, cpu: False)
+    with pytest.raises(KvprofError) as e:
+        ebpf.Capture(("block",), ebpf.CaptureFilter())
+    assert e.value.exit_code == EX_UNAVAILABLE and "BPF_F_TEST_RUN_ON_CPU" in str(e.value)

@@ -164,6 +164,12 @@ class Capture:
         self._flush_fd = self.bpf.load_func(b"flush_events", self.bcc.BPF.RAW_TRACEPOINT).fd
         self._cpus = self.bcc.utils.get_online_cpus()
         self._flushed_at = 0.0
+        if not all(run_on_cpu(self._flush_fd, cpu) for cpu in self._cpus[:1]):
+            # Without it a batch that is not full would wait for more events indefinitely.
+            self.bpf.cleanup()
+            raise KvprofError("this kernel cannot run a BPF program on a chosen CPU "
+                              "(BPF_PROG_TEST_RUN with BPF_F_TEST_RUN_ON_CPU, Linux 5.10+), "
+                              "which kvprof's event batches need", EX_UNAVAILABLE)
         # Who the processes are, read from /proc as soon as each opens a file or does I/O:
         # a short-lived one may be gone by the next flush.
         self.procs = ProcessTable()
