@@ -144,12 +144,16 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
     events = info.config.get("device_events", True)
     shifts = rows.sampling(t0, t1) if events else []
     sampling = None
+    weighted = {}
     if any(shifts):
         # One rate over the span: the kept rows are a uniform sample, their percentiles
-        # unbiased. Several: rows of the sparser stretches would weigh too little.
+        # unbiased. Several: each row weighs what it stands for (1/16-octave buckets).
         sampling = {"max_one_in": 1 << max(shifts), "uniform": len(set(shifts)) == 1}
+        sampling["percentiles"] = "sample" if sampling["uniform"] else "weighted sample"
+        if not sampling["uniform"]:
+            weighted = rows.weighted_quantiles(pieces, view)
     if (not events or sampling) and exact is not None:
-        _from_exact(phases, exact, sampling)
+        _from_exact(phases, exact, sampling, weighted)
     return {
         "session": {
             "id": info.session_id,
@@ -251,20 +255,26 @@ def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
     return out
 
 
-def _from_exact(phases: dict, exact: dict, sampling: dict | None = None) -> None:
+def _from_exact(phases: dict, exact: dict, sampling: dict | None = None,
+                weighted: dict | None = None) -> None:
     """A span whose device-layer events are missing (--no-events) or sampled: the device
     layers' per-phase counts, rates, sizes and idle from the aggregate tier. Percentiles are
-    the sample's where it is uniform, else null (the kernel kept log2 histograms, not the
-    values); size histograms have the events' buckets (powers of two)."""
+    the sample's (`weighted`: estimated with each row's weight where the rate changed), null
+    without events (the kernel kept log2 histograms, not the values); size histograms have
+    the events' buckets (powers of two)."""
     keep = sampling is not None and sampling["uniform"]
+    keys = ("latency_us", "queue_us", "device_us")
     for p in schema.PHASES:
         for layer in schema.DEVICE_LAYERS:
             for op, e in exact["phases"][p][layer].items():
                 entry = phases[p][layer].setdefault(op, _op_entry(0, 0, phases[p]["time_s"]))
-                kept = {k: entry[k] for k in ("latency_us", "queue_us", "device_us")}
+                kept = {k: entry[k] for k in keys}
                 entry.update(_op_entry(e["bytes"], e["ios"], phases[p]["time_s"]))
                 if keep:
                     entry.update(kept)
+                elif weighted and (p, layer, op) in weighted:
+                    for k, vals in zip(keys, weighted[(p, layer, op)]):
+                        entry[k] = {name: v for (name, _), v in zip(schema.QUANTILES, vals)}
                 entry["size_hist"] = {k: n for k, n in e["size_hist"].items() if k != "0"}
                 # The log2 slot the 99th percentile of service time falls in: below this.
                 entry["p99_below_us"] = e["service_us_below"]["p99"]

@@ -103,7 +103,7 @@ def to_text(summary: dict, name: str = "") -> str:
     sampled = s.get("event_sampling")
     if sampled:
         how = ("percentiles from the sample" if sampled["uniform"] else
-               "no exact percentiles (the rate changed; see p99< above)")
+               "percentiles from the sample, each row weighed by the rate it was kept at")
         lines += [""] + textwrap.wrap(
             f"block/io_uring rows sampled past --event-rate (1 in up to "
             f"{sampled['max_one_in']}): counts, rates and idle are the exact counts; {how}",

@@ -98,6 +98,13 @@ class RowSource:
     def per_phase(self, pieces: Pieces, view: ViewFilter) -> PerPhase:
         raise NotImplementedError
 
+    def weighted_quantiles(self, pieces: Pieces, view: ViewFilter
+                           ) -> dict[tuple[str, str, str], tuple[list, list, list]]:
+        """Per (phase, device layer, op), total, queue and device time quantiles in µs with
+        each row weighed by its sample_weight: for spans the event tier sampled at more than
+        one rate. Estimates from 1/WEIGHTED_STEPS-octave buckets (within 2.2 %)."""
+        raise NotImplementedError
+
     def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         """Syscall reads and writes per (phase, cache, op, O_DIRECT): calls, bytes done, and
         the bytes of the block reads the calling thread issued while in the call (what the
@@ -174,6 +181,25 @@ def _in_view(pieces: Pieces, view: ViewFilter, time_column: str = "issue_ns"
         return cond, params
     return (_and(f"{time_column} >= ? AND {time_column} < ?", cond),
             [int(pieces.t0), int(pieces.t1), *params])
+
+
+WEIGHTED_STEPS = 16  # buckets per octave for weighted quantiles
+
+
+def _weighted_q(hist: dict[int, int]) -> list[float | None]:
+    """schema.QUANTILES of a weighted histogram of bucket -> weight (bucket b holds
+    [2^(b/STEPS), 2^((b+1)/STEPS)) ns, -1 holds 0), as the bucket's geometric middle in µs."""
+    keys = sorted(hist)
+    cum = np.cumsum([hist[k] for k in keys])
+    total = cum[-1] if len(cum) else 0
+    out: list[float | None] = []
+    for _, q in schema.QUANTILES:
+        if not total:
+            out.append(None)
+            continue
+        b = keys[int(np.searchsorted(cum, q * total))]
+        out.append(0.0 if b < 0 else 2 ** ((b + 0.5) / WEIGHTED_STEPS) / 1e3)
+    return out
 
 
 def _and(*conds: str) -> str:
@@ -280,6 +306,34 @@ class SqlRows(RowSource):
             FROM io GROUP BY ALL""", params)
         islands_of, present = self._islands(pieces.t0, pieces.t1, view, pieces.whole)
         return PerPhase(stats, islands_of, present)
+
+    def weighted_quantiles(self, pieces: Pieces, view: ViewFilter
+                           ) -> dict[tuple[str, str, str], tuple[list, list, list]]:
+        if "sample_weight" in missing_columns(self.cur, "io"):
+            return {}
+        cond, params = _in_view(pieces, view)
+        step = WEIGHTED_STEPS
+        buckets = ", ".join(
+            f"CASE WHEN {c} > 0 THEN floor(log2({c}) * {step})::INTEGER ELSE -1 END"
+            for c in ("total_ns", "queue_ns", "device_ns"))
+        rows = self._joined(pieces, f"""
+            WITH io AS (
+                SELECT io.layer, io.op, coalesce(io.sample_weight, 1) AS w,
+                       w.w_phase AS phase,
+                       complete_ns - CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END
+                           AS total_ns,
+                       CASE WHEN insert_ns > 0 THEN issue_ns - insert_ns ELSE 0 END AS queue_ns,
+                       complete_ns - issue_ns AS device_ns
+                FROM (SELECT * FROM io WHERE {_and("layer IN ('block', 'io_uring')", cond)}) io
+                ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start)
+            SELECT phase, layer, op, {buckets}, sum(w)::UBIGINT FROM io GROUP BY ALL""",
+                            params)
+        acc: dict[tuple[str, str, str], list[dict[int, int]]] = {}
+        for phase, layer, op, bt, bq, bd, w in rows:
+            hists = acc.setdefault((phase, layer, op), [{}, {}, {}])
+            for h, b in zip(hists, (bt, bq, bd)):
+                h[b] = h.get(b, 0) + int(w)
+        return {k: tuple(_weighted_q(h) for h in hists) for k, hists in acc.items()}
 
     def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         if "cache" in missing_columns(self.cur, "io"):
@@ -452,6 +506,10 @@ class LiveRows(RowSource):
 
     def sampling(self, t0: int, t1: int) -> list[int]:
         return self.sql.sampling(t0, t1)
+
+    def weighted_quantiles(self, pieces: Pieces, view: ViewFilter
+                           ) -> dict[tuple[str, str, str], tuple[list, list, list]]:
+        return self.sql.weighted_quantiles(pieces, view)
 
     def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         # The row cache keeps no paths: syscall rows are few beside block rows, SQL it is.

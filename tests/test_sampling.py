@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from kvprof import sampling
 
@@ -40,3 +41,21 @@ def test_the_shift_rises_at_once_and_falls_one_step_after_calm(monkeypatch):
 def test_zero_keeps_every_row():
     s = sampling.Sampler(0, lambda k: None)
     assert s.saw(rows(10 ** 6, 1)) is None and s.shift == 0
+
+
+def test_weighted_quantiles_weigh_each_row_by_what_it_stands_for():
+    """1000 rows of 100 µs kept at 1 in 1, 1000 rows of 1 ms kept at 1 in 8: 9000 requests,
+    8000 of them 1 ms, so the median is 1 ms (unweighted it would fall between)."""
+    from kvprof.rowsource import WEIGHTED_STEPS, _weighted_q
+
+    def bucket(us: float) -> int:
+        return int(np.floor(np.log2(us * 1e3) * WEIGHTED_STEPS))
+
+    q = dict(zip(("p50", "p90", "p99", "p999"),
+                 _weighted_q({bucket(100): 1000, bucket(1000): 8000})))
+    assert q["p50"] == pytest.approx(1000, rel=0.025)
+    assert q["p99"] == pytest.approx(1000, rel=0.025)
+    q = _weighted_q({bucket(100): 8000, bucket(1000): 1000})
+    assert q[0] == pytest.approx(100, rel=0.025) and q[2] == pytest.approx(1000, rel=0.025)
+    assert _weighted_q({}) == [None] * 4
+    assert _weighted_q({-1: 5}) == [0.0] * 4  # no queue time at all
