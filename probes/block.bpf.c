@@ -25,31 +25,37 @@ static __always_inline void decode_cmd(u32 cmd, u8 *op, u16 *flags)
 }
 
 /* The request queue whose disk a CPU saw last: most requests on a CPU go to the same device,
- * so its number is read from the gendisk once rather than per request. */
+ * so its number (and index) is read once rather than per request. */
 struct queue_dev {
     u64 q;
     u32 dev;
-    u32 pad;
+    u32 idx;
 };
 BPF_PERCPU_ARRAY(last_queue, struct queue_dev, 1);
 
-/* The whole disk's dev_t (MKDEV(major, first_minor)), as the block tracepoints report it. */
-static __always_inline u32 rq_dev(void *rq)
+/* The whole disk's dev_t (MKDEV(major, first_minor)), as the block tracepoints report it,
+ * and its index for dev_state. */
+static __always_inline u32 rq_dev(void *rq, u32 *idx)
 {
     void *q = KVPROF_FIELD(void *, rq, KVPROF_RQ_Q);
     int zero = 0;
     struct queue_dev *last = last_queue.lookup(&zero);
-    if (last && last->q == (u64)q)
+    if (last && last->q == (u64)q) {
+        *idx = last->idx;
         return last->dev;
+    }
+    *idx = KVPROF_MAX_DEVICES;
     void *disk = KVPROF_FIELD(void *, q, KVPROF_Q_DISK);
     if (!disk)
         return 0;
     u32 major = KVPROF_FIELD(u32, disk, KVPROF_DISK_MAJOR);
     u32 minor = KVPROF_FIELD(u32, disk, KVPROF_DISK_FIRST_MINOR);
     u32 dev = (major << 20) | minor;
+    *idx = kvprof_dev_index(dev);
     if (last) {
         last->q = (u64)q;
         last->dev = dev;
+        last->idx = *idx;
     }
     return dev;
 }
@@ -64,13 +70,13 @@ static __always_inline void forget_unseen(struct kvprof_inflight *s, u64 now)
 {
     kvprof_count(KVPROF_LOST_BLOCK_NOT_SEEN);
     if (!(s->flags & KVPROF_FL_FILTERED))
-        kvprof_dev_tick(s->dev, now, -1);
+        kvprof_dev_tick(s->dev, s->dev_idx, now, -1);
 }
 
 /* A request starts: inserted into a scheduler queue (issue_ns 0 for now) or issued straight
  * to the driver. */
-static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, u64 insert_ns,
-                                  u64 issue_ns)
+static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, u32 di,
+                                  u64 insert_ns, u64 issue_ns)
 {
     u32 cmd = KVPROF_FIELD(u32, rq, KVPROF_RQ_CMD_FLAGS);
     u16 flags;
@@ -82,19 +88,21 @@ static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, 
     s->insert_ns = insert_ns;
     s->issue_ns = issue_ns;
     s->dev = dev;
+    s->dev_idx = di;
     s->bytes = KVPROF_FIELD(u32, rq, KVPROF_RQ_DATA_LEN);
     s->done = 0;
     s->phase = kvprof_phase_now();
     s->layer = KVPROF_LAYER_BLOCK;
     s->flags |= kvprof_start_event(s, id >> 32, (u32)id);
     if (!(flags & KVPROF_FL_FILTERED))
-        kvprof_dev_tick(dev, insert_ns ? insert_ns : issue_ns, 1);
+        kvprof_dev_tick(dev, di, insert_ns ? insert_ns : issue_ns, 1);
 }
 
 RAW_TRACEPOINT_PROBE(block_rq_insert)
 {
     void *rq = (void *)ctx->args[0];
-    u32 dev = rq_dev(rq);
+    u32 di;
+    u32 dev = rq_dev(rq, &di);
     if (!kvprof_dev_allowed(dev))
         return 0;
     int found;
@@ -108,14 +116,15 @@ RAW_TRACEPOINT_PROBE(block_rq_insert)
             return 0; /* inserted again before issue (a requeue): keep the first insert */
         forget_unseen(s, now);
     }
-    track(rq, s, dev, now, 0);
+    track(rq, s, dev, di, now, 0);
     return 0;
 }
 
 RAW_TRACEPOINT_PROBE(block_rq_issue)
 {
     void *rq = (void *)ctx->args[0];
-    u32 dev = rq_dev(rq);
+    u32 di;
+    u32 dev = rq_dev(rq, &di);
     if (!kvprof_dev_allowed(dev))
         return 0;
     int found;
@@ -134,7 +143,7 @@ RAW_TRACEPOINT_PROBE(block_rq_issue)
         forget_unseen(s, now); /* issued before and its completion never seen: start afresh */
     }
     /* Not inserted first: it went straight to the driver. */
-    track(rq, s, dev, 0, now);
+    track(rq, s, dev, di, 0, now);
     return 0;
 }
 
@@ -166,7 +175,8 @@ RAW_TRACEPOINT_PROBE(block_rq_complete)
     struct kvprof_inflight *s = kvprof_slot_data(slot);
     struct kvprof_io e = {};
     if (!s) {
-        u32 dev = rq_dev(rq);
+        u32 di;
+    u32 dev = rq_dev(rq, &di);
         if (!kvprof_dev_allowed(dev))
             return 0;
         if (nr_bytes != 0) {
@@ -218,10 +228,11 @@ RAW_TRACEPOINT_PROBE(block_rq_complete)
     e.sample_shift = s->sample_shift;
     __builtin_memcpy(e.comm, s->comm, sizeof(e.comm));
     u8 phase = s->phase;
+    u32 di = s->dev_idx;
     u64 queue_ns = e.insert_ns && s->issue_ns ? s->issue_ns - e.insert_ns : 0;
     kvprof_release(slot);
     kvprof_agg(KVPROF_LAYER_BLOCK, e.op, e.dev, phase, e.bytes, queue_ns, now - e.issue_ns, now);
-    kvprof_dev_tick(e.dev, now, -1);
+    kvprof_dev_tick(e.dev, di, now, -1);
 #ifndef KVPROF_NO_DEVICE_EVENTS
     if (!(e.flags & KVPROF_FL_UNSAMPLED)) {
         e.sector = KVPROF_FIELD(u64, rq, KVPROF_RQ_SECTOR);

@@ -295,7 +295,40 @@ BPF_F_TABLE("percpu_hash", struct kvprof_agg_key, struct kvprof_agg_val, agg, KV
 BPF_PERCPU_ARRAY(agg_zero, struct kvprof_agg_val, 1); /* never written: the initial value */
 BPF_F_TABLE("percpu_hash", struct kvprof_busy_key, u64, busy, KVPROF_AGG_ENTRIES,
             BPF_F_NO_PREALLOC);
-BPF_HASH(dev_state, u32, struct kvprof_dev_state, 1024);
+/* Per device, by a small index the probes give each device the first time they see it
+ * (dev_index; kept in block.bpf.c's per-CPU queue cache): an array slot, not a hash lookup,
+ * on every start and completion. */
+#define KVPROF_MAX_DEVICES 1024
+BPF_ARRAY(dev_state, struct kvprof_dev_state, KVPROF_MAX_DEVICES);
+BPF_HASH(dev_index, u32, u32, KVPROF_MAX_DEVICES);
+BPF_ARRAY(dev_count, u64, 1); /* 64 bits: the atomics bcc's LLVM has */
+
+/* The device's index, given it now if it has none; KVPROF_MAX_DEVICES when all are taken. */
+static __always_inline u32 kvprof_dev_index(u32 dev)
+{
+    u32 *idx = dev_index.lookup(&dev);
+    if (idx)
+        return *idx;
+    int zero = 0;
+    u64 *count = dev_count.lookup(&zero);
+    if (!count)
+        return KVPROF_MAX_DEVICES;
+    u32 fresh = KVPROF_MAX_DEVICES;
+    for (int i = 0; i < 8; i++) { /* a compare-and-swap: bcc's LLVM has no fetch-add value */
+        u64 c = *count;
+        if (c >= KVPROF_MAX_DEVICES)
+            return KVPROF_MAX_DEVICES;
+        if (__sync_val_compare_and_swap(count, c, c + 1) == c) {
+            fresh = (u32)c;
+            break;
+        }
+    }
+    if (fresh >= KVPROF_MAX_DEVICES)
+        return KVPROF_MAX_DEVICES;
+    dev_index.insert(&dev, &fresh); /* another CPU may have been first: use its index */
+    idx = dev_index.lookup(&dev);
+    return idx ? *idx : KVPROF_MAX_DEVICES;
+}
 BPF_ARRAY(cur_phase, u32, 1);
 
 static __always_inline u8 kvprof_phase_now(void)
@@ -379,16 +412,13 @@ static __always_inline void kvprof_busy_add(u32 dev, u8 phase, u64 from, u64 to)
     }
 }
 
-/* A request starts (delta 1) or completes (delta -1) on the device at `now`. */
-static __always_inline void kvprof_dev_tick(u32 dev, u64 now, s64 delta)
+/* A request starts (delta 1) or completes (delta -1) on the device (index `di`) at `now`. */
+static __always_inline void kvprof_dev_tick(u32 dev, u32 di, u64 now, s64 delta)
 {
-    struct kvprof_dev_state *st = dev_state.lookup(&dev);
+    struct kvprof_dev_state *st = dev_state.lookup(&di);
     if (!st) {
-        struct kvprof_dev_state z = {};
-        dev_state.insert(&dev, &z); /* fails harmlessly if another CPU was first */
-        st = dev_state.lookup(&dev);
-        if (!st)
-            return;
+        kvprof_count(KVPROF_LOST_AGG_FULL); /* more than KVPROF_MAX_DEVICES devices */
+        return;
     }
     u8 phase = kvprof_phase_now();
     for (int i = 0; i < 8; i++) {
@@ -469,7 +499,9 @@ struct kvprof_inflight {
     u8 opcode;
     u8 layer;
     u8 sample_shift;
-    u8 pad[5];
+    u8 pad0;
+    u16 dev_idx; /* block: the device's index (kvprof_dev_index) */
+    u8 pad[2];
     char comm[16];
 };
 

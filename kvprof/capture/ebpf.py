@@ -491,7 +491,8 @@ INFLIGHT_DTYPE = np.dtype([("insert_ns", "<u8"), ("issue_ns", "<u8"), ("cgroup_i
                            ("dev", "<u4"), ("bytes", "<u4"), ("done", "<u4"), ("pid", "<u4"),
                            ("tgid", "<u4"), ("flags", "<u2"), ("op", "u1"), ("phase", "u1"),
                            ("opcode", "u1"), ("layer", "u1"), ("sample_shift", "u1"),
-                           ("pad", "V5"), ("comm", "S16")])
+                           ("pad0", "V1"), ("dev_idx", "<u2"), ("pad", "V2"),
+                           ("comm", "S16")])
 assert INFLIGHT_DTYPE.itemsize == 72
 
 
