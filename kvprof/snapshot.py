@@ -294,6 +294,11 @@ class SnapshotFeed:
                 except Exception as e:  # noqa: BLE001 - shown on screen, never a crash
                     self._on_error(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
                 else:
+                    # Another view asked for while this one was built between two queries
+                    # (the interrupt only stops a running one): build that one instead.
+                    if self.request != req:
+                        last = None
+                        continue
                     if not self._stop.is_set():
                         self._deliver(snap)
                 finally:

@@ -158,9 +158,7 @@ def open_session(session: str | Path) -> duckdb.DuckDBPyConnection:
         tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables")
                   .fetchall()}
     except duckdb.Error as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise KvprofError(f"{path} is not a readable kvprof session: {first}",
-                          EX_DATAERR) from None
+        raise _unreadable(e, f"{path} is not a readable kvprof session") from None
     missing = set(schema.CORE_TABLES) - tables
     if missing:
         con.close()
@@ -267,10 +265,13 @@ def _open_segments(parts: list[Path], kind: str = "VIEW") -> duckdb.DuckDBPyConn
                 con.execute(schema.duckdb_ddl(name))
     except duckdb.Error as e:
         con.close()
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise KvprofError(f"{parts[0].parent} is not a readable kvprof session: {first}",
-                          EX_DATAERR) from None
+        raise _unreadable(e, f"{parts[0].parent} is not a readable kvprof session") from None
     return con
+
+
+def _unreadable(e: duckdb.Error, what: str) -> KvprofError:
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return KvprofError(f"{what}: {first}", EX_DATAERR)
 
 
 def _union(table: str, have: list[set[str]]) -> str:
@@ -304,7 +305,5 @@ def open_replay(source: str | Path) -> duckdb.DuckDBPyConnection:
             con.execute(f'ALTER TABLE io ADD COLUMN "{col}" {schema.duck_type("io", col)}')
     except duckdb.Error as e:
         con.close()
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise KvprofError(f"{p} is not a readable kvprof Parquet export: {first}",
-                          EX_DATAERR) from None
+        raise _unreadable(e, f"{p} is not a readable kvprof Parquet export") from None
     return con

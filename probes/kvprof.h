@@ -515,8 +515,9 @@ static __always_inline u32 kvprof_bucket_of(u64 key)
     return (u32)(((key >> 6) * 0x9E3779B97F4A7C15ULL) >> 40) & (KVPROF_BUCKETS - 1);
 }
 
-/* The slot holding `key`, or -1. */
-static __always_inline int kvprof_find(u64 key)
+/* The slot of `key`'s bucket that holds `want`, or -1; with `want` 0, a free slot, claimed
+ * for `key` by compare-and-swap. */
+static __always_inline int kvprof_scan(u64 key, u64 want)
 {
     u32 b = kvprof_bucket_of(key);
     struct kvprof_bucket *bk = inflight_keys.lookup(&b);
@@ -524,29 +525,27 @@ static __always_inline int kvprof_find(u64 key)
         return -1;
 #pragma unroll
     for (int i = 0; i < KVPROF_BUCKET; i++)
-        if (bk->key[i] == key)
+        if (bk->key[i] == want &&
+            (want || __sync_val_compare_and_swap(&bk->key[i], 0, key) == 0))
             return b * KVPROF_BUCKET + i;
     return -1;
+}
+
+/* The slot holding `key`, or -1. */
+static __always_inline int kvprof_find(u64 key)
+{
+    return kvprof_scan(key, key);
 }
 
 /* The slot holding `key`, claimed for it if it was not there (*found says which), or -1 when
  * its bucket is full. */
 static __always_inline int kvprof_claim(u64 key, int *found)
 {
-    int slot = kvprof_find(key);
+    int slot = kvprof_scan(key, key);
     *found = slot >= 0;
-    if (slot >= 0)
-        return slot;
-    u32 b = kvprof_bucket_of(key);
-    struct kvprof_bucket *bk = inflight_keys.lookup(&b);
-    if (!bk)
-        return -1;
-#pragma unroll
-    for (int i = 0; i < KVPROF_BUCKET; i++)
-        if (bk->key[i] == 0 && __sync_val_compare_and_swap(&bk->key[i], 0, key) == 0)
-            return b * KVPROF_BUCKET + i;
-    kvprof_count(KVPROF_LOST_INFLIGHT_FULL);
-    return -1;
+    if (slot < 0 && (slot = kvprof_scan(key, 0)) < 0)
+        kvprof_count(KVPROF_LOST_INFLIGHT_FULL);
+    return slot;
 }
 
 static __always_inline struct kvprof_inflight *kvprof_slot_data(int slot)
