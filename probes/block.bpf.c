@@ -98,54 +98,38 @@ static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, 
         kvprof_dev_tick(dev, di, insert_ns ? insert_ns : issue_ns, 1);
 }
 
-RAW_TRACEPOINT_PROBE(block_rq_insert)
+/* A request starts: inserted into a scheduler queue (`issue` 0), or issued to the driver,
+ * after an insert or straight. */
+static __always_inline int rq_start(void *rq, int issue)
 {
-    void *rq = (void *)ctx->args[0];
     u32 di;
     u32 dev = rq_dev(rq, &di);
     if (!kvprof_dev_allowed(dev))
         return 0;
     int found;
-    int slot = kvprof_claim((u64)rq, &found);
-    struct kvprof_inflight *s = kvprof_slot_data(slot);
-    if (!s)
-        return 0;
-    u64 now = bpf_ktime_get_ns();
-    if (found) {
-        if (!s->issue_ns)
-            return 0; /* inserted again before issue (a requeue): keep the first insert */
-        forget_unseen(s, now);
-    }
-    track(rq, s, dev, di, now, 0);
-    return 0;
-}
-
-RAW_TRACEPOINT_PROBE(block_rq_issue)
-{
-    void *rq = (void *)ctx->args[0];
-    u32 di;
-    u32 dev = rq_dev(rq, &di);
-    if (!kvprof_dev_allowed(dev))
-        return 0;
-    int found;
-    int slot = kvprof_claim((u64)rq, &found);
-    struct kvprof_inflight *s = kvprof_slot_data(slot);
+    struct kvprof_inflight *s = kvprof_slot_data(kvprof_claim((u64)rq, &found));
     if (!s)
         return 0;
     u64 now = bpf_ktime_get_ns();
     if (found) {
         if (!s->issue_ns) {
-            /* Merges after insert can grow the request: the issued size is the real one. */
-            s->issue_ns = now;
-            s->bytes = KVPROF_FIELD(u32, rq, KVPROF_RQ_DATA_LEN);
+            /* Inserted before. Inserted again (a requeue): keep the first insert. Issued:
+             * merges after insert can grow the request, the issued size is the real one. */
+            if (issue) {
+                s->issue_ns = now;
+                s->bytes = KVPROF_FIELD(u32, rq, KVPROF_RQ_DATA_LEN);
+            }
             return 0;
         }
-        forget_unseen(s, now); /* issued before and its completion never seen: start afresh */
+        forget_unseen(s, now); /* started before and its completion never seen: afresh */
     }
-    /* Not inserted first: it went straight to the driver. */
-    track(rq, s, dev, di, 0, now);
+    track(rq, s, dev, di, issue ? 0 : now, issue ? now : 0);
     return 0;
 }
+
+RAW_TRACEPOINT_PROBE(block_rq_insert) { return rq_start((void *)ctx->args[0], 0); }
+
+RAW_TRACEPOINT_PROBE(block_rq_issue) { return rq_start((void *)ctx->args[0], 1); }
 
 /* A requeued request is issued again: not a new request, and no completion was missed. */
 RAW_TRACEPOINT_PROBE(block_rq_requeue)
