@@ -269,10 +269,12 @@ def _drain(store: Store, capture, feeds: tuple, sampler: Sampler,
            closed: bool = False) -> int:
     """Move what capture and the phase sources collected into the store; return the time
     the open windows were cut at. `closed`: the sources have stopped, no window is open."""
-    for table, rows in capture.take().items():
+    taken = capture.take()
+    for table, rows in taken.items():
         store.append(table, rows)
-        if table == "io" and not closed:
-            store.append("event_sampling", sampler.saw(rows))
+    if not closed:
+        # Every take, rows or none: a quiet device must lower the rate too.
+        store.append("event_sampling", sampler.saw(taken.get("io")))
     for src in feeds:
         for table, rows in src.take().items():
             store.append(table, rows)

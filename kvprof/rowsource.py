@@ -183,6 +183,11 @@ def _in_view(pieces: Pieces, view: ViewFilter, time_column: str = "issue_ns"
             [int(pieces.t0), int(pieces.t1), *params])
 
 
+# A row's latency in its parts (ns): from insert (or issue when it skipped the scheduler
+# queue) to completion, insert to issue, issue to completion.
+_TIMES = """complete_ns - CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END AS total_ns,
+            CASE WHEN insert_ns > 0 THEN issue_ns - insert_ns ELSE 0 END AS queue_ns,
+            complete_ns - issue_ns AS device_ns"""
 WEIGHTED_STEPS = 16  # buckets per octave for weighted quantiles
 
 
@@ -292,10 +297,7 @@ class SqlRows(RowSource):
         stats = self._joined(pieces, f"""
             WITH io AS (
                 SELECT io.*, w.w_phase AS phase,
-                       complete_ns - CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END
-                           AS total_ns,
-                       CASE WHEN insert_ns > 0 THEN issue_ns - insert_ns ELSE 0 END AS queue_ns,
-                       complete_ns - issue_ns AS device_ns
+                       {_TIMES}
                 FROM (SELECT * FROM io {"WHERE " + cond if cond else ""}) io
                 ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start)
             SELECT phase, layer, op, count(*), sum(bytes)::UBIGINT,
@@ -320,10 +322,7 @@ class SqlRows(RowSource):
             WITH io AS (
                 SELECT io.layer, io.op, coalesce(io.sample_weight, 1) AS w,
                        w.w_phase AS phase,
-                       complete_ns - CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END
-                           AS total_ns,
-                       CASE WHEN insert_ns > 0 THEN issue_ns - insert_ns ELSE 0 END AS queue_ns,
-                       complete_ns - issue_ns AS device_ns
+                       {_TIMES}
                 FROM (SELECT * FROM io WHERE {_and("layer IN ('block', 'io_uring')", cond)}) io
                 ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start)
             SELECT phase, layer, op, {buckets}, sum(w)::UBIGINT FROM io GROUP BY ALL""",

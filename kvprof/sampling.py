@@ -1,5 +1,5 @@
 """How many device-layer requests the event tier keeps: all of them up to a rate, past it 1 in
-2^shift, chosen each second from the rate offered (rows kept times their weight, an unbiased
+2^shift, chosen from the rate offered (rows kept times their weight, an unbiased
 count). The aggregate tier counts every request whatever this decides; the rows carry their
 weight (schema.IO sample_weight) and each change is stored (schema.EVENT_SAMPLING), so reports
 know which figures are exact and which sampled.

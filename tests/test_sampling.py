@@ -59,3 +59,17 @@ def test_weighted_quantiles_weigh_each_row_by_what_it_stands_for():
     assert q[0] == pytest.approx(100, rel=0.025) and q[2] == pytest.approx(1000, rel=0.025)
     assert _weighted_q({}) == [None] * 4
     assert _weighted_q({-1: 5}) == [0.0] * 4  # no queue time at all
+
+
+def test_a_quiet_device_lowers_the_rate_too(monkeypatch):
+    """No rows at all (the device went quiet) counts as calm: record calls saw() every take."""
+    clock = [0.0]
+    monkeypatch.setattr(sampling.time, "monotonic", lambda: clock[0])
+    s = sampling.Sampler(1000, lambda k: None)
+    clock[0] += 1.0
+    s.saw(rows(8000, 1))
+    assert s.shift == 3
+    for _ in range(int(sampling.CALM_S / sampling.WINDOW_S)):
+        clock[0] += sampling.WINDOW_S
+        s.saw(None)
+    assert s.shift == 2

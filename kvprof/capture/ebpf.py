@@ -164,7 +164,7 @@ class Capture:
         self._flush_fd = self.bpf.load_func(b"flush_events", self.bcc.BPF.RAW_TRACEPOINT).fd
         self._cpus = self.bcc.utils.get_online_cpus()
         self._flushed_at = 0.0
-        if not all(run_on_cpu(self._flush_fd, cpu) for cpu in self._cpus[:1]):
+        if not run_on_cpu(self._flush_fd, self._cpus[0]):
             # Without it a batch that is not full would wait for more events indefinitely.
             self.bpf.cleanup()
             raise KvprofError("this kernel cannot run a BPF program on a chosen CPU "
@@ -313,8 +313,10 @@ class Capture:
         held: dict[str, int] = {}
         if {"block", "io_uring"} & set(self.layers):
             keys = np.frombuffer(_map_bytes(self.bpf["inflight_keys"]), "<u8")
-            slots = np.frombuffer(_map_bytes(self.bpf["inflight"]), INFLIGHT_DTYPE)
-            live = slots[(keys != 0) & (slots["flags"] & FLAG_FILTERED == 0)]
+            table = self.bpf["inflight"]  # only the slots in use: a few of 65 536
+            slots = np.frombuffer(b"".join(bytes(table[table.Key(int(i))])
+                                           for i in np.flatnonzero(keys)), INFLIGHT_DTYPE)
+            live = slots[slots["flags"] & FLAG_FILTERED == 0]
             for layer, code in (("block", LAYER_BLOCK), ("io_uring", LAYER_URING)):
                 if layer in self.layers:
                     held[layer] = int((live["layer"] == code).sum())
@@ -525,8 +527,8 @@ def _release_compiler_memory() -> None:
     """Compiling the probes (clang/LLVM inside bcc) leaves ~200 MB of freed heap that glibc
     keeps mapped; a long recording should not carry it."""
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
+        _libc().malloc_trim(0)
+    except AttributeError:
         pass  # not glibc
 
 
