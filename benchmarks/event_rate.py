@@ -1,6 +1,8 @@
 """The event tier's drain rate on one core: `kvprof record --event-rate 0` (every row) pinned
 to CPU 0 while fio, pinned to the other CPUs, drives the loop device as fast as it goes.
-Prints rows stored per second, the rows the kernel counted (the exact tier), and what was lost.
+Prints rows stored per second, the rows the kernel counted (the exact tier), and what was lost;
+and the exact tier's block reads beside /sys/block/DEV/stat's over the recording (the device
+is private to this run, so the kernel's own count is the truth at the device's full rate).
 The generator shares this machine, so the figure is the highest rate it could offer; zero loss
 at that rate is a lower bound on what one core drains.
 
@@ -34,6 +36,7 @@ def main() -> int:
     others = ",".join(str(c) for c in cpus[1:])
     tmp = Path(tempfile.mkdtemp(prefix="kvprof-rate-"))
     with loop_device("rate") as dev:
+        before = disk_reads(dev)
         rec = subprocess.Popen(["taskset", "-c", str(cpus[0]), sys.executable, "-m", "kvprof",
                                 "record", "-d", dev, "-o", str(tmp / "s"), "--socket",
                                 str(tmp / "m.sock"), "--event-rate", "0"],
@@ -51,6 +54,7 @@ def main() -> int:
         elapsed = time.monotonic() - t
         rec.send_signal(signal.SIGINT)
         rec.communicate(timeout=120)
+        kernel_reads = disk_reads(dev) - before
     report = json.loads(subprocess.run([sys.executable, "-m", "kvprof", "report",
                                         str(tmp / "s"), "--json"], check=True,
                                        capture_output=True, text=True).stdout)
@@ -67,7 +71,15 @@ def main() -> int:
           f"{rows / elapsed:,.0f} rows/s; kernel counted {exact} requests "
           f"({exact / elapsed:,.0f}/s); rows missing {exact - rows}; lost "
           f"{ {k: v for k, v in lost.items() if v} }")
-    return 0
+    block = report["exact"]["totals"].get("block", {}).get("read", {}).get("ios", 0)
+    print(f"exact tier block reads {block}, /sys/block stat reads {kernel_reads}: "
+          f"{'equal' if block == kernel_reads else f'differ by {block - kernel_reads}'}")
+    return 0 if block == kernel_reads else 1
+
+
+def disk_reads(dev: str) -> int:
+    """Reads completed, the first field of /sys/block/DEV/stat."""
+    return int(Path(f"/sys/block/{Path(dev).name}/stat").read_text().split()[0])
 
 
 if __name__ == "__main__":
