@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from functools import partial
 from pathlib import Path
 
 from kvprof import __version__
+from kvprof.calibrate import BY_NAME as PATTERNS
 from kvprof.errors import EX_SOFTWARE, EX_USAGE, KvprofError
 
 EXAMPLES = """examples:
@@ -155,6 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("doctor", help="check what live capture needs, with the fix for each")
 
+    p = sub.add_parser("calibrate", help="measure what a device (or the one under a directory) "
+                                         "can do for prefill- and decode-like I/O, kept for "
+                                         "reports' capacity idle")
+    p.add_argument("target", help="a directory (a scratch file is written there and deleted) "
+                                  "or a block device (written to: refused if it holds data)")
+    p.add_argument("--runtime", type=float, default=5.0, help="seconds per pattern (default 5)")
+    p.add_argument("--size", type=_size, default=1 << 30, metavar="SIZE",
+                   help="bytes the I/O spreads over (default 1G)")
+    p.add_argument("--pattern", action="append", default=[], metavar="NAME",
+                   help="run only this pattern (repeatable): " + ", ".join(PATTERNS))
+    p.add_argument("--force", action="store_true",
+                   help="write to a raw device even though it holds a filesystem or data")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
     p = sub.add_parser("demo", help="run a small KV-offload workload on a private loop device, "
                                     "record it and report")
     p.add_argument("--seconds", type=float, default=6.0, help="length of the workload")
@@ -253,6 +269,25 @@ def cmd_mark(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from kvprof import calibrate
+
+    unknown = [n for n in args.pattern if n not in PATTERNS]
+    if unknown:
+        raise KvprofError(f"unknown pattern {unknown[0]!r}; patterns: " + ", ".join(PATTERNS),
+                          EX_USAGE)
+    if args.runtime <= 0:
+        raise KvprofError("--runtime must be positive", EX_USAGE)
+    result = calibrate.calibrate(args.target, args.runtime, args.size, args.force,
+                                 tuple(args.pattern))
+    path = calibrate.save(result)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    print(f"kvprof: kept for {result['key']} in {path}" if path else
+          "kvprof: not kept: the target has no block device of its own", file=sys.stderr)
+    return 0
+
+
 def cmd_doctor(args) -> int:
     from kvprof.doctor import run_doctor
 
@@ -270,7 +305,7 @@ def cmd_demo(args) -> int:
 
 
 COMMANDS = {"record": cmd_record, "top": cmd_top, "report": cmd_report, "export": cmd_export,
-            "mark": cmd_mark, "doctor": cmd_doctor, "demo": cmd_demo}
+            "mark": cmd_mark, "doctor": cmd_doctor, "calibrate": cmd_calibrate, "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from kvprof import schema
+from kvprof import calibrate, schema
 from kvprof.intervals import busy_between
 from kvprof.rollup import GRID_NS
 from kvprof.rowsource import IslandsOf, Pieces, RowSource, ViewFilter
@@ -154,6 +154,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             weighted = rows.weighted_quantiles(pieces, view)
     if (not events or sampling) and exact is not None:
         _from_exact(phases, exact, sampling, weighted)
+    _capacity(phases, info.devices)
     return {
         "session": {
             "id": info.session_id,
@@ -287,6 +288,52 @@ def _from_exact(phases: dict, exact: dict, sampling: dict | None = None,
             block["time_idle_pct"] = next(iter(block["devices"].values()))["time_idle_pct"]
         elif len(block["devices"]) > 1:
             block["time_idle_pct"] = None
+
+
+def _capacity(phases: dict, devices: list[dict]) -> None:
+    """Per phase, the share of the devices' calibrated capability (`kvprof calibrate`) the
+    phase left unused: `block.capacity_idle_pct`, beside time idle. Per op, what the phase
+    achieved is set against the two patterns that bound it, large sequential transfers
+    (bandwidth) and 4 KiB random ones at QD32 (IOPS); the nearer limit counts. Reads and
+    writes share the device, so their shares add up. Several devices: against the sum of
+    their capabilities, and only when every traced device was calibrated."""
+    cals = [d.get("calibration") for d in devices]
+    for p in schema.PHASES:
+        phases[p]["block"]["capacity_idle_pct"] = None
+        phases[p]["block"]["capacity"] = None
+    if not cals or not all(cals):
+        return
+
+    def capability(pattern: str, measure: str) -> float | None:
+        got = [c["patterns"].get(pattern, {}).get(measure) for c in cals]
+        return float(sum(got)) if all(got) else None
+
+    for p in schema.PHASES:
+        ph = phases[p]
+        if ph["time_s"] <= 0:
+            continue
+        layer = phase_layer(ph)
+        by_op = {}
+        for op in MAIN_OPS:
+            e = ph[layer][op]
+            bw_pattern, iops_pattern = calibrate.LIMITS[op]
+            limits = [(e["bandwidth_bytes_per_s"], bw_pattern, "bandwidth_bytes_per_s"),
+                      (e["iops"], iops_pattern, "iops")]
+            shares = []
+            for achieved, pattern, measure in limits:
+                cap = capability(pattern, measure)
+                if cap is None:
+                    return  # an older or partial calibration: no figure rather than a guess
+                shares.append((achieved / cap, achieved, cap, pattern, measure))
+            share, achieved, cap, pattern, measure = max(shares)
+            by_op[op] = {"pattern": pattern, "measure": measure, "achieved": achieved,
+                         "capability": cap, "used_pct": 100.0 * share}
+        used = sum(o["used_pct"] for o in by_op.values())
+        ph["block"]["capacity"] = {"used_pct": used, "by_op": by_op, "layer": layer}
+        ph["block"]["capacity_idle_pct"] = max(0.0, 100.0 - used)
+        if len(ph["block"]["devices"]) == 1:
+            dev = next(iter(ph["block"]["devices"].values()))
+            dev["capacity_idle_pct"] = ph["block"]["capacity_idle_pct"]
 
 
 def _caches(phases: dict, rows: list[tuple]) -> None:

@@ -49,13 +49,15 @@ def phase_finding(phase: str, ph: dict) -> str | None:
     bw = f"{human_bytes(e['bandwidth_bytes_per_s'])}/s"
     noun = f"{phase} {op}s" + ("" if layer == "block" else f" ({layer})")
     idle_txt = "" if idle is None else f" while the device is {idle:.0f} % idle"
+    cap = ph["block"].get("capacity_idle_pct")
+    cap_txt = "" if cap is None else f", {cap:.0f} % of its calibrated capacity unused"
     if idle is not None and mean_size >= LARGE_BYTES and 100 - idle >= BUSY_PCT:
         return (f"{noun} are bandwidth-bound at {bw} ({size} requests, "
-                f"device busy {100 - idle:.0f} % of the phase)")
+                f"device busy {100 - idle:.0f} % of the phase{cap_txt})")
     if mean_size < SMALL_BYTES and (idle is None or 100 - idle < BUSY_PCT):
-        return f"{noun} are latency-bound at {p99_txt}{idle_txt}"
+        return f"{noun} are latency-bound at {p99_txt}{idle_txt}{cap_txt}"
     return (f"{noun}: {bw} in {size} requests, {e['iops']:.0f} IOPS, "
-            f"{p99_txt}{idle_txt}")
+            f"{p99_txt}{idle_txt}{cap_txt}")
 
 
 def findings(summary: dict) -> dict[str, str]:

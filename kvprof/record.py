@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvprof import __version__, caches, system
+from kvprof import __version__, caches, calibrate, system
 from kvprof.devices import Device, resolve
 from kvprof.errors import EX_UNAVAILABLE, EX_USAGE, KvprofError
 from kvprof.markers import socket_path
@@ -314,7 +314,17 @@ def _status(src) -> dict:
 
 
 def _devices_json(devs: tuple[Device, ...]) -> str:
-    return json.dumps([{"name": d.name, "major": d.major, "minor": d.minor} for d in devs])
+    """The traced devices, each with its lasting name (model and serial) and, where `kvprof
+    calibrate` measured it, its calibration, carried in the session for its reports."""
+    out = []
+    for d in devs:
+        key = calibrate.identity(d)["key"]
+        entry = {"name": d.name, "major": d.major, "minor": d.minor, "key": key}
+        found = calibrate.load(key)
+        if found is not None:
+            entry["calibration"] = found
+        out.append(entry)
+    return json.dumps(out)
 
 
 ATTACH_TIMEOUT_S = 60.0

@@ -31,13 +31,14 @@ def to_text(summary: dict, name: str = "") -> str:
         f"lost events: {s['lost_events']}"
         + (f"  status: {s['status']}" if s["status"] != "complete" else ""),
         "",
-        f"{'phase':<9}{'time':>10}{'share':>9}{'block idle':>12}",
+        f"{'phase':<9}{'time':>10}{'share':>9}{'time idle':>12}{'capacity idle':>15}",
     ]
     phases = summary["phases"]
     for p in schema.PHASES:
         ph = phases[p]
         lines.append(f"{p:<9}{ph['time_s']:>9.2f}s{ph['time_share_pct']:>8.1f}%"
-                     f"{_pct(ph['block']['time_idle_pct']):>12}")
+                     f"{_pct(ph['block']['time_idle_pct']):>12}"
+                     f"{_pct(ph['block']['capacity_idle_pct']):>15}")
     header = (f"  {'layer':<9}{'op':<6}{'ios':>8}{'bytes':>11}{'MiB/s':>8}{'IOPS':>8}"
               f"{'p50':>7}{'p90':>7}{'p99':>7}{'p99.9':>7}")
     for p in schema.PHASES:
@@ -60,6 +61,13 @@ def to_text(summary: dict, name: str = "") -> str:
                              f"   device p50 {human_us(d['p50'])} p99 {human_us(d['p99'])}")
             sizes = "  ".join(f"{size_label(int(b))}:{n}" for b, n in e["size_hist"].items())
             lines.append(f"  {'':<15}sizes {sizes}"[:WIDTH])
+        cap = ph["block"]["capacity"]
+        if cap:
+            used = "; ".join(
+                f"{op} {_achieved(o)} of {_achieved(o, 'capability')} ({o['pattern']})"
+                for op, o in cap["by_op"].items() if o["achieved"])
+            lines += textwrap.wrap(f"capacity used {cap['used_pct']:.1f} %: {used or 'no I/O'}",
+                                   WIDTH, initial_indent="  ", subsequent_indent="    ")
         devs = ph["block"]["devices"]
         if devs:
             idle = "  ".join(f"{d} {_pct(v['time_idle_pct'])}" for d, v in devs.items())
@@ -120,6 +128,11 @@ def to_text(summary: dict, name: str = "") -> str:
                                     subsequent_indent="    ")
             lines += [w.replace("\0", " ") for w in wrapped]
     return "\n".join(lines) + "\n"
+
+
+def _achieved(o: dict, key: str = "achieved") -> str:
+    v = o[key]
+    return f"{human_bytes(v)}/s" if o["measure"] == "bandwidth_bytes_per_s" else f"{v:,.0f} IOPS"
 
 
 def _exact_lines(exact: dict | None) -> list[str]:

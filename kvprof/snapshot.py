@@ -49,6 +49,9 @@ class PhaseStats:
     latency_hist_us: tuple[tuple[int, int], ...]  # (log2 bucket lower bound, count)
     size_hist: tuple[tuple[int, int], ...]
     idle_pct: float | None
+    # The share of the device's calibrated capability left unused (`kvprof calibrate`);
+    # None where the device was not calibrated.
+    capacity_idle_pct: float | None = None
     # What the application asked of its files (the syscall layer), mean bytes/s, and the
     # share of its buffered reads the page cache served; 0 / None without that layer.
     app_read: float = 0.0
@@ -137,6 +140,7 @@ def _phase_stats(p: str, ph: dict, rates: dict) -> PhaseStats:
         latency_hist_us=_hist(_merge_hists(rd["latency_hist_us"], wr["latency_hist_us"])),
         size_hist=_hist(_merge_hists(rd["size_hist"], wr["size_hist"])),
         idle_pct=ph["block"]["time_idle_pct"] if layer == "block" else None,
+        capacity_idle_pct=ph["block"]["capacity_idle_pct"],
         app_read=ph["syscall"]["read"]["bandwidth_bytes_per_s"],
         app_write=ph["syscall"]["write"]["bandwidth_bytes_per_s"],
         page_cache_hit_pct=ph["syscall"].get("page_cache_hit_pct"),

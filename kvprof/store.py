@@ -10,7 +10,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from kvprof import schema
+from kvprof import calibrate, schema
 from kvprof.errors import EX_DATAERR, EX_NOINPUT, EX_USAGE, KvprofError
 
 DB_FILE = "session.duckdb"
@@ -214,9 +214,21 @@ def session_info(con: duckdb.DuckDBPyConnection) -> SessionInfo:
         session_id=r["session_id"], host=r["host"], kernel=r["kernel"],
         kvprof_version=r["kvprof_version"], bcc_version=r["bcc_version"],
         start_wall_ns=r["start_wall_ns"], start_ns=r["start_ns"], end_ns=end,
-        clock_offset_ns=r["clock_offset_ns"], devices=json.loads(r["devices"] or "[]"),
+        clock_offset_ns=r["clock_offset_ns"], devices=_with_calibration(r["devices"]),
         config=json.loads(r["config"] or "{}"), lost=json.loads(r["lost"] or "{}"),
         status=r["status"], sources=json.loads(r.get("sources") or "[]"))
+
+
+def _with_calibration(devices: str | None) -> list[dict]:
+    """The session's devices; one recorded before its device was calibrated gets the
+    calibration kept since (by the device's lasting key), if any."""
+    out = json.loads(devices or "[]")
+    for d in out:
+        if "calibration" not in d and d.get("key"):
+            found = calibrate.load(d["key"])
+            if found is not None:
+                d["calibration"] = found
+    return out
 
 
 def _open_segments(parts: list[Path], kind: str = "VIEW") -> duckdb.DuckDBPyConnection:

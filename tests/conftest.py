@@ -46,6 +46,15 @@ live = pytest.mark.skipif(
     reason=str(can_trace()))
 
 
+@pytest.fixture(autouse=True)
+def calibration_store(tmp_path, monkeypatch):
+    """Each test keeps `kvprof calibrate` results apart (recorders it starts inherit this):
+    nothing is read from or left in the machine's own store."""
+    store = tmp_path / "calibration"
+    monkeypatch.setenv("KVPROF_CALIBRATION_DIR", str(store))
+    return store
+
+
 def read_stat(dev: str) -> list[int]:
     return [int(x) for x in Path(f"/sys/block/{dev}/stat").read_text().split()]
 

@@ -161,6 +161,7 @@ class PhasePanel(SnapshotView):
         if not p.ios:
             t.append("no I/O", style="dim")
             t.append(f"\nidle {p.idle_pct:.1f} %" if p.idle_pct is not None else "")
+            t.append(_capacity(p))
             return t
         w = max(4, self.size.width - 5)
         t.append("    now mean peak\n", style="dim")
@@ -193,7 +194,13 @@ class PhasePanel(SnapshotView):
             if 5 + len(spark(p.size_hist, w)) + len(label) <= self.size.width:
                 t.append(label, style="dim")
         t.append("\nidle " + ("-" if p.idle_pct is None else f"{p.idle_pct:.1f} %"))
+        t.append(_capacity(p))
         return t
+
+
+def _capacity(p) -> str:
+    """Capacity idle beside time idle, where the device was calibrated."""
+    return "" if p.capacity_idle_pct is None else f" cap {p.capacity_idle_pct:.0f} %"
 
 
 class GpuLine(SnapshotView):

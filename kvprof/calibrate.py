@@ -1,0 +1,340 @@
+"""`kvprof calibrate`: what a device can do for the access patterns of prefill and decode.
+
+Prefill writes KV cache in large sequential chunks (bandwidth); decode reads small pieces at
+random (IOPS and latency); engines' thread pools use plain pread/pwrite, io_uring users queue
+deep. Each pattern runs for a few seconds with fio as the load (the generator ops already
+trust; kvprof does not write its own). The figures come from the kernel: the device's
+/sys/block stat deltas over fio's run time, as every other kvprof number does; fio's own
+figures are kept beside them, and the latency percentiles are fio's (the kernel keeps none).
+A target with no block device under it (tmpfs) keeps fio's figures.
+
+The result is stored per device, named by model and serial where the kernel knows them, so a
+later recording and its reports find it: `capacity idle` (1 - achieved / capability for the
+phase's pattern) is reported beside time idle.
+
+Safety: a directory gets its own scratch file, deleted afterwards. A raw device is written
+to, so one that is mounted or held (LVM, md) is refused, and one holding a filesystem or any
+data is refused unless --force.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvprof.devices import Device, by_number, resolve
+from kvprof.errors import EX_DATAERR, EX_NOPERM, EX_UNAVAILABLE, EX_USAGE, KvprofError
+
+VERSION = 1
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Pattern:
+    name: str
+    label: str
+    rw: str  # fio's --rw
+    bs: int
+    iodepth: int
+    engine: str  # fio's --ioengine
+
+    @property
+    def op(self) -> str:
+        return "write" if "write" in self.rw else "read"
+
+
+PATTERNS = (
+    Pattern("seq_write_1m", "1 MiB sequential writes, io_uring QD8 (prefill storing KV)",
+            "write", MIB, 8, "io_uring"),
+    Pattern("seq_read_1m", "1 MiB sequential reads, io_uring QD8 (reloading a prefix)",
+            "read", MIB, 8, "io_uring"),
+    Pattern("rand_read_4k_qd1", "4 KiB random reads, io_uring QD1 (decode, one at a time)",
+            "randread", 4096, 1, "io_uring"),
+    Pattern("rand_read_4k_qd32", "4 KiB random reads, io_uring QD32 (decode, queued deep)",
+            "randread", 4096, 32, "io_uring"),
+    Pattern("rand_write_4k_qd32", "4 KiB random writes, io_uring QD32", "randwrite", 4096, 32,
+            "io_uring"),
+    Pattern("psync_seq_write_1m", "1 MiB sequential pwrite, QD1 (thread-pool offload)",
+            "write", MIB, 1, "psync"),
+    Pattern("psync_rand_read_4k", "4 KiB random pread, QD1 (thread-pool offload)",
+            "randread", 4096, 1, "psync"),
+)
+BY_NAME = {p.name: p for p in PATTERNS}
+# Per op, the patterns that bound what a phase can get: its bandwidth and its IOPS.
+LIMITS = {"write": ("seq_write_1m", "rand_write_4k_qd32"),
+          "read": ("seq_read_1m", "rand_read_4k_qd32")}
+
+
+def default_store() -> Path:
+    """Where calibrations are kept: $KVPROF_CALIBRATION_DIR, else a system directory for root
+    (the recorder runs as root) and the user's data directory otherwise."""
+    env = os.environ.get("KVPROF_CALIBRATION_DIR")
+    if env:
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/var/lib/kvprof/calibration")
+    return Path.home() / ".local/share/kvprof/calibration"
+
+
+def _sysfs(dev: Device) -> Path:
+    return Path("/sys/class/block") / dev.name
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def identity(dev: Device) -> dict:
+    """The device's name, numbers and, where the kernel knows them, model and serial (a
+    partition: its disk's); `key` names it across reboots and renumbering."""
+    sys_dev = _sysfs(dev)
+    disk = sys_dev.resolve().parent if (sys_dev / "partition").exists() else sys_dev.resolve()
+    model = _read(disk / "device/model")
+    serial = _read(disk / "device/serial") or _read(disk / "serial") or _read(disk / "wwid")
+    backing = _read(disk / "loop/backing_file")
+    if model or serial:
+        key = " ".join(x for x in (model, serial) if x)
+        if disk != sys_dev.resolve():
+            key += f" part{_read(sys_dev / 'partition')}"
+    elif backing:
+        key = f"loop {backing}"
+    else:
+        key = dev.name
+    size = int(_read(sys_dev / "size") or 0) * 512
+    return {"name": dev.name, "major": dev.major, "minor": dev.minor, "model": model,
+            "serial": serial, "key": key, "size_bytes": size,
+            "rotational": _read(disk / "queue/rotational") == "1"}
+
+
+def store_path(store: Path, key: str) -> Path:
+    return store / (re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("_") + ".json")
+
+
+def load(key: str, store: Path | None = None) -> dict | None:
+    """The stored calibration of the device named `key`, or None."""
+    path = store_path(store or default_store(), key)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("version") == VERSION else None
+
+
+def for_devices(devices: list[dict], store: Path | None = None) -> dict[str, dict]:
+    """Device name -> its calibration, for the devices (session rows' dicts) that have one."""
+    out = {}
+    for d in devices:
+        found = load(d["key"], store) if d.get("key") else None
+        if found is not None:
+            out[d["name"]] = found
+    return out
+
+
+def _diskstats(dev: Device) -> tuple[int, int, int, int]:
+    """(reads, read sectors, writes, write sectors) completed, from /sys/block stat."""
+    f = _read(_sysfs(dev) / "stat").split()
+    return int(f[0]), int(f[2]), int(f[4]), int(f[6])
+
+
+def _holds_data(path: str) -> str | None:
+    """Why a raw device must not be written to without --force: a signature blkid knows
+    (filesystem, RAID, LVM, partition table), or any non-zero byte in its first MiB."""
+    if shutil.which("blkid"):
+        out = subprocess.run(["blkid", "-p", "-o", "export", path], capture_output=True,
+                             text=True)
+        for line in out.stdout.splitlines():
+            if line.startswith(("TYPE=", "PTTYPE=")):
+                return f"it holds {line.split('=', 1)[1]} data (blkid)"
+    with open(path, "rb") as f:
+        head = f.read(MIB)
+    if head.strip(b"\0"):
+        return "its first MiB holds data"
+    return None
+
+
+def _in_use(dev: Device) -> str | None:
+    """Mounted, or held by another block device (LVM, md, dm-crypt)."""
+    sys_dev = _sysfs(dev)
+    if any((sys_dev / "holders").iterdir()) if (sys_dev / "holders").exists() else False:
+        return "it is held by another device (LVM, RAID or dm)"
+    for line in _read(Path("/proc/self/mountinfo")).splitlines():
+        if line.split()[2:3] == [f"{dev.major}:{dev.minor}"]:
+            return f"it is mounted on {line.split()[4]}"
+    return None
+
+
+@dataclass
+class Target:
+    path: str  # what fio opens
+    device: Device | None  # the block device the I/O lands on, when there is one
+    size: int  # bytes of the target fio spreads its I/O over
+    scratch: Path | None  # our own file, deleted afterwards
+
+
+def prepare(spec: str, size: int, force: bool) -> Target:
+    """The block device or directory to calibrate, checked for safety; a directory gets its
+    scratch file written once with random data (a fresh file's holes or zeros would read
+    without touching the device, or compress away on zram)."""
+    p = Path(spec)
+    if p.is_dir():
+        st = os.stat(p)
+        dev = by_number(os.major(st.st_dev), os.minor(st.st_dev)) if os.major(st.st_dev) else None
+        if dev is not None and not _sysfs(dev).exists():
+            dev = None  # a filesystem without a block device of its own (btrfs subvolume, nfs)
+        free = shutil.disk_usage(p).free
+        if free < size + 64 * MIB:
+            raise KvprofError(f"{p} has {free >> 20} MiB free; the scratch file needs "
+                              f"{size >> 20} MiB (use --size)", EX_USAGE)
+        scratch = p / f".kvprof-calibrate-{os.getpid()}"
+        try:
+            _fill(scratch, size)
+        except OSError as e:
+            scratch.unlink(missing_ok=True)
+            raise KvprofError(f"cannot write the scratch file {scratch}: {e.strerror}",
+                              EX_NOPERM if e.errno in (1, 13) else EX_USAGE) from None
+        return Target(str(scratch), dev, size, scratch)
+    if not p.exists() and "/" in spec:
+        raise KvprofError(f"{spec}: no such device or directory", EX_USAGE)
+    dev = resolve(spec)
+    path = spec if "/" in spec else f"/dev/{dev.name}"
+    if not stat.S_ISBLK(os.stat(path).st_mode):
+        raise KvprofError(f"{path} is not a block device", EX_USAGE)
+    why = _in_use(dev)
+    if why:
+        raise KvprofError(f"refusing to calibrate {path}: {why}; calibrate a directory on it "
+                          "instead", EX_USAGE)
+    try:
+        why = _holds_data(path)
+    except OSError as e:
+        raise KvprofError(f"cannot read {path}: {e.strerror}",
+                          EX_NOPERM if e.errno in (1, 13) else EX_USAGE) from None
+    if why and not force:
+        raise KvprofError(f"refusing to write to {path}: {why}", EX_USAGE,
+                          hint="calibrate a directory on it, or pass --force to overwrite it")
+    dev_size = int(_read(_sysfs(dev) / "size") or 0) * 512
+    return Target(path, dev, min(size, dev_size), None)
+
+
+def _fill(path: Path, size: int) -> None:
+    chunk = os.urandom(MIB)
+    with open(path, "wb") as f:
+        for _ in range(size // MIB):
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fio_command(target: Target, pat: Pattern, runtime_s: float) -> list[str]:
+    return ["fio", "--name=kvprof-calibrate", f"--filename={target.path}", f"--rw={pat.rw}",
+            f"--bs={pat.bs}", f"--iodepth={pat.iodepth}", f"--ioengine={pat.engine}",
+            "--direct=1", "--time_based", f"--runtime={runtime_s:g}", f"--size={target.size}",
+            "--randrepeat=0", "--norandommap", "--output-format=json"]
+
+
+def _progress(i: int, pat: Pattern, runtime_s: float, started: float) -> None:
+    width = 24
+    done = min(1.0, (time.monotonic() - started) / max(runtime_s, 1e-9))
+    bar = "#" * int(done * width) + "." * (width - int(done * width))
+    sys.stderr.write(f"\r[{i + 1}/{len(PATTERNS)}] [{bar}] {pat.name:<20}")
+    sys.stderr.flush()
+
+
+def run_pattern(i: int, target: Target, pat: Pattern, runtime_s: float) -> dict:
+    """One pattern under fio: the kernel's figures over fio's run time, fio's beside them."""
+    before = _diskstats(target.device) if target.device else None
+    started = time.monotonic()
+    tty = sys.stderr.isatty()
+    proc = subprocess.Popen(fio_command(target, pat, runtime_s), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while proc.poll() is None:
+        if tty:
+            _progress(i, pat, runtime_s, started)
+        time.sleep(0.25)
+    out, err = proc.communicate()
+    if proc.returncode != 0:
+        last = (err.strip().splitlines() or ["no output"])[-1]
+        raise KvprofError(f"fio failed on {pat.name}: {last}", EX_DATAERR)
+    after = _diskstats(target.device) if target.device else None
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    side = job["write" if pat.op == "write" else "read"]
+    runtime = job["job_runtime"] / 1e3 if job.get("job_runtime") else runtime_s
+    pct = side["clat_ns"].get("percentile", {})
+    entry = {
+        "label": pat.label, "rw": pat.rw, "bs": pat.bs, "iodepth": pat.iodepth,
+        "engine": pat.engine, "runtime_s": runtime,
+        "fio": {"iops": side["iops"], "bandwidth_bytes_per_s": side["bw_bytes"],
+                "ios": side["total_ios"], "bytes": side["io_bytes"]},
+        "latency_us": {"mean": side["clat_ns"]["mean"] / 1e3,
+                       **{k: pct[v] / 1e3 if v in pct else None for k, v in
+                          (("p50", "50.000000"), ("p99", "99.000000"),
+                           ("p999", "99.900000"))}},
+    }
+    if before is not None and after is not None:
+        ios, sectors = ((after[0] - before[0], after[1] - before[1]) if pat.op == "read"
+                        else (after[2] - before[2], after[3] - before[3]))
+        entry.update(source="kernel", ios=ios, bytes=sectors * 512, iops=ios / runtime,
+                     bandwidth_bytes_per_s=sectors * 512 / runtime)
+    else:
+        entry.update(source="fio", iops=side["iops"], bandwidth_bytes_per_s=side["bw_bytes"])
+    if tty:
+        sys.stderr.write("\r" + " " * 60 + "\r")
+    return entry
+
+
+def fio_version() -> str:
+    if not shutil.which("fio"):
+        raise KvprofError("kvprof calibrate drives fio, which is not installed", EX_UNAVAILABLE,
+                          hint="apt install fio")
+    return subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
+
+
+def calibrate(spec: str, runtime_s: float = 5.0, size: int = 1 << 30, force: bool = False,
+              patterns: tuple[str, ...] = (), log=lambda line: print(line, file=sys.stderr)
+              ) -> dict:
+    """Run the patterns on `spec` (a block device or a directory) and return the result."""
+    version = fio_version()
+    chosen = [BY_NAME[n] for n in patterns] if patterns else list(PATTERNS)
+    target = prepare(spec, size, force)
+    try:
+        dev = identity(target.device) if target.device else None
+        where = f"{dev['name']} ({dev['key']})" if dev else "no block device (fio's figures)"
+        log(f"kvprof: calibrating {spec} on {where}: {len(chosen)} patterns of "
+            f"{runtime_s:g} s over {target.size >> 20} MiB")
+        results = {}
+        for i, pat in enumerate(chosen):
+            results[pat.name] = run_pattern(i, target, pat, runtime_s)
+            r = results[pat.name]
+            log(f"  {pat.name:<20} {r['iops']:>10,.0f} IOPS "
+                f"{r['bandwidth_bytes_per_s'] / MIB:>9.1f} MiB/s  "
+                f"p99 {r['latency_us']['p99'] or 0:>8.1f} us")
+    finally:
+        if target.scratch is not None:
+            target.scratch.unlink(missing_ok=True)
+    return {"version": VERSION, "key": dev["key"] if dev else None, "device": dev,
+            "target": spec, "host": socket.gethostname(), "when_wall_ns": time.time_ns(),
+            "runtime_s": runtime_s, "size_bytes": target.size, "fio": version,
+            "patterns": results}
+
+
+def save(result: dict, store: Path | None = None) -> Path | None:
+    """Keep the result for the device's later sessions (not for a target with no device)."""
+    if not result.get("key"):
+        return None
+    store = store or default_store()
+    store.mkdir(parents=True, exist_ok=True)
+    path = store_path(store, result["key"])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(path)
+    return path
