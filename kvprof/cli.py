@@ -24,6 +24,18 @@ EXAMPLES = """examples:
 """
 
 
+COMPARE_EXAMPLES = """figures (gate names): PHASE.OP.bandwidth|iops|p50|p99 (PHASE prefill,
+decode, mixed, idle; OP read, write), PHASE.time_share|time_idle|capacity_idle|tokens_per_s,
+and the engine's ttft, itl, throughput, prefix_hit
+
+examples:
+  kvprof compare before after
+  kvprof compare before after --gate ttft=-25% --gate prefill.write.bandwidth=+30%
+  kvprof compare before after --json
+exit status: 0, or 1 when a gate failed
+"""
+
+
 def _record_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="session directory (default: ./kvprof-DATE-TIME)")
     p.add_argument("-d", "--device", action="append", default=[],
@@ -144,6 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("session", help="session directory (or its session.duckdb)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
+    p = sub.add_parser("compare", help="two sessions' per-phase figures side by side, with "
+                                       "gates that fail a test pipeline",
+                       epilog=COMPARE_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("a", help="the baseline session")
+    p.add_argument("b", help="the session compared with it")
+    p.add_argument("--gate", action="append", default=[], metavar="NAME=+N%",
+                   help="fail (exit 1) unless B changed NAME by at least this much: +N%% up, "
+                        "-N%% down; repeatable")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
     p = sub.add_parser("export", help="write a session's tables as Parquet")
     p.add_argument("session")
     p.add_argument("--parquet", required=True, metavar="DIR", help="output directory")
@@ -223,18 +246,24 @@ def cmd_top(args) -> int:
     return run_live(opts, interval_s=args.interval)
 
 
-def print_report(session: str | Path, name: str, as_json: bool) -> None:
-    """The per-phase report of a recorded session on stdout: `kvprof report` and the demo."""
+def load_summary(session: str | Path) -> dict:
+    """The report of a recorded session, as a dict."""
     from kvprof.correlate import summarize
-    from kvprof.report import to_json, to_text
     from kvprof.rowsource import SqlRows
     from kvprof.store import open_session
 
     con = open_session(session)
     try:
-        summary = summarize(SqlRows(con))
+        return summarize(SqlRows(con))
     finally:
         con.close()
+
+
+def print_report(session: str | Path, name: str, as_json: bool) -> None:
+    """The per-phase report of a recorded session on stdout: `kvprof report` and the demo."""
+    from kvprof.report import to_json, to_text
+
+    summary = load_summary(session)
     sys.stdout.write(to_json(summary) + "\n" if as_json else to_text(summary, name))
     sys.stdout.flush()
 
@@ -242,6 +271,17 @@ def print_report(session: str | Path, name: str, as_json: bool) -> None:
 def cmd_report(args) -> int:
     print_report(args.session, args.session, args.json)
     return 0
+
+
+def cmd_compare(args) -> int:
+    from kvprof import compare
+
+    gates = [compare.parse_gate(g) for g in args.gate]
+    result = compare.compare(load_summary(args.a), load_summary(args.b), gates)
+    sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.json else
+                     compare.to_text(result, args.a, args.b))
+    sys.stdout.flush()
+    return 0 if result["passed"] else 1
 
 
 def cmd_export(args) -> int:
@@ -304,8 +344,9 @@ def cmd_demo(args) -> int:
                     report=partial(print_report, as_json=args.json))
 
 
-COMMANDS = {"record": cmd_record, "top": cmd_top, "report": cmd_report, "export": cmd_export,
-            "mark": cmd_mark, "doctor": cmd_doctor, "calibrate": cmd_calibrate, "demo": cmd_demo}
+COMMANDS = {"record": cmd_record, "top": cmd_top, "report": cmd_report, "compare": cmd_compare,
+            "export": cmd_export, "mark": cmd_mark, "doctor": cmd_doctor,
+            "calibrate": cmd_calibrate, "demo": cmd_demo}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,6 +155,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
     if (not events or sampling) and exact is not None:
         _from_exact(phases, exact, sampling, weighted)
     _capacity(phases, info.devices)
+    engine = _engine(phases, rows, t0, t1, total_s)
     return {
         "session": {
             "id": info.session_id,
@@ -181,6 +182,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             "processes": rows.processes(),
         },
         "phases": phases,
+        "engine": engine,
         "exact": exact,
     }
 
@@ -336,6 +338,44 @@ def _capacity(phases: dict, devices: list[dict]) -> None:
             dev["capacity_idle_pct"] = ph["block"]["capacity_idle_pct"]
 
 
+def _engine(phases: dict, rows: RowSource, t0: int, t1: int, total_s: float) -> dict:
+    """The engines' serving figures over [t0, t1), where their sources give them (None
+    otherwise): mean TTFT and inter-token latency, prefix-cache hit share, tokens and the
+    throughput they make; and per phase, the tokens its windows counted and their rate."""
+    moved: dict[str, float] = {}
+    for name, _labels, delta in rows.engine_counters(t0, t1):
+        moved[name] = moved.get(name, 0.0) + delta
+    out: dict = {}
+    for figure, pairs in schema.ENGINE_MEANS.items():
+        out[figure] = None
+        for num, den in pairs:
+            if moved.get(den):
+                out[figure] = moved.get(num, 0.0) / moved[den]
+                break
+    share = out.pop("prefix_cache_hit_share")
+    out["prefix_cache_hit_pct"] = None if share is None else 100.0 * share
+    for figure, names in schema.ENGINE_TOKENS.items():
+        got = [moved[n] for n in names if n in moved]
+        out[figure] = sum(got) if got else None
+    gen = out["generation_tokens"]
+    out["throughput_tokens_per_s"] = gen / total_s if gen is not None and total_s > 0 else None
+    for p in schema.PHASES:
+        phases[p]["engine"] = {"prefill_tokens": None, "decode_tokens": None,
+                               "tokens_per_s": None}
+    # Several sources count the same tokens (marks and an engine's metrics): per phase, the
+    # most exact source that counted any.
+    best: dict[str, tuple[int, float, float]] = {}
+    for p, source, prefill, decode in rows.phase_tokens(t0, t1):
+        rank = schema.SOURCE_RANK.get(source, 0)
+        if p in phases and (prefill or decode) and rank >= best.get(p, (-1,))[0]:
+            best[p] = (rank, prefill, decode)
+    for p, (_, prefill, decode) in best.items():
+        t = phases[p]["time_s"]
+        phases[p]["engine"] = {"prefill_tokens": prefill, "decode_tokens": decode,
+                               "tokens_per_s": (prefill + decode) / t if t > 0 else None}
+    return out
+
+
 def _caches(phases: dict, rows: list[tuple]) -> None:
     """Per phase and KV cache (kvprof/caches.py), the syscall layer's reads and writes, and
     for buffered reads the share the page cache served: app bytes the calls returned beside
@@ -370,11 +410,12 @@ def _caches(phases: dict, rows: list[tuple]) -> None:
 
 def _writeback(phases: dict, rows: list[tuple]) -> dict:
     """Flush-thread writes of the buffered files, under the phase (and cache) whose writes
-    dirtied them: phases.<p>.writeback; what no traced write explains is returned."""
+    dirtied them: phases.<p>.writeback, with `elsewhere_bytes` the part issued while another
+    phase ran (where the block layer files it); what no traced write explains is returned."""
     for p in schema.PHASES:
-        phases[p]["writeback"] = {"ios": 0, "bytes": 0, "caches": {}}
+        phases[p]["writeback"] = {"ios": 0, "bytes": 0, "elsewhere_bytes": 0, "caches": {}}
     lost = {"ios": 0, "bytes": 0}
-    for p, cache, ios, nbytes in rows:
+    for p, cache, ios, nbytes, elsewhere in rows:
         if p is None:
             lost["ios"] += int(ios)
             lost["bytes"] += int(nbytes)
@@ -382,6 +423,7 @@ def _writeback(phases: dict, rows: list[tuple]) -> dict:
         wb = phases[p]["writeback"]
         wb["ios"] += int(ios)
         wb["bytes"] += int(nbytes)
+        wb["elsewhere_bytes"] += int(elsewhere or 0)
         c = wb["caches"].setdefault(cache, {"ios": 0, "bytes": 0})
         c["ios"] += int(ios)
         c["bytes"] += int(nbytes)

@@ -1,11 +1,25 @@
-"""Plain-language verdicts per phase, from the summary dict of `correlate.summarize`.
+"""Plain-language findings from the summary dict of `correlate.summarize`.
 
-A pure function of that dict, so `kvprof report`, the dashboard and tests all say the same
-thing. The rules follow the sizing guidance in DESIGN.md: large requests with the device busy
-most of the time are bandwidth-bound; small requests with the device mostly idle are
-latency-bound (more bandwidth would not help, lower latency would).
+A pure function of that dict, so `kvprof report`, its JSON, the dashboard and tests all say
+the same thing. Each finding names the rule it comes from and the report figures it rests on
+(`figures`: JSON paths into the report and their values), so a reader can check it. The
+rules (README, "Findings"):
+
+- per phase: large requests with the device busy most of the time are **bandwidth-bound**;
+  large requests with the device mostly idle are **not storage-bound** (something above the
+  device paces them); small requests with the device mostly idle are **latency-bound** (more
+  bandwidth would not help, lower latency would); anything else is described by its figures;
+- **sized for one phase**: one phase keeps the device busy (or uses most of its calibrated
+  capacity) while another phase, taking a real share of the time, leaves it mostly idle;
+- **time split**: which phase the time goes to, and what that says about the workload
+  (prompt-heavy long contexts, or output-heavy decoding);
+- **prefix cache**: with the engine's prefix-cache hit share, the storage reads a higher hit
+  share would remove, if reads scale with misses;
+- **writeback elsewhere**: a phase's buffered writes reaching the device in another phase.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from kvprof import schema
 from kvprof.correlate import MAIN_OPS, phase_layer
@@ -16,6 +30,29 @@ LARGE_BYTES = 128 << 10
 SMALL_BYTES = 64 << 10
 # Device busier than this (idle below 100 - BUSY_PCT) during the phase: it is the limit.
 BUSY_PCT = 50.0
+# Sized for one phase: the other phase leaves at least this much idle, over at least
+# OTHER_SHARE_PCT of the session's time.
+IDLE_PCT = 80.0
+OTHER_SHARE_PCT = 10.0
+# Time split: a phase taking this share of the time, and DOMINANT times the other's.
+SPLIT_SHARE_PCT = 30.0
+DOMINANT = 3.0
+# Writeback elsewhere: at least this share of a phase's writeback landed in other phases.
+ELSEWHERE_PCT = 20.0
+# Prefix cache: the reads this many more points of hit share would remove.
+HIT_STEP_PCT = 10.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    rule: str
+    phase: str | None
+    text: str
+    figures: dict = field(default_factory=dict)  # report path -> the value it rests on
+
+    def as_dict(self) -> dict:
+        return {"rule": self.rule, "phase": self.phase, "text": self.text,
+                "figures": self.figures}
 
 
 def _main_op(ph: dict) -> tuple[str, str, dict] | None:
@@ -28,43 +65,160 @@ def _main_op(ph: dict) -> tuple[str, str, dict] | None:
     return layer, op, e
 
 
-def phase_finding(phase: str, ph: dict) -> str | None:
-    """One sentence about this phase, or None when the phase took no time."""
+def _phase(phase: str, ph: dict) -> Finding | None:
+    """What limits one phase, or None when the phase took no time."""
     if ph["time_s"] <= 0:
         return None
+    base = f"phases.{phase}"
     found = _main_op(ph)
     if found is None:
-        return f"{phase}: no storage I/O in {ph['time_s']:.1f} s"
+        return Finding("no-io", phase, f"{phase}: no storage I/O in {ph['time_s']:.1f} s",
+                       {f"{base}.time_s": ph["time_s"]})
     layer, op, e = found
+    at = f"{base}.{layer}.{op}"
     idle = ph["block"].get("time_idle_pct")
+    cap = ph["block"].get("capacity_idle_pct")
+    figures = {f"{at}.bytes": e["bytes"], f"{at}.ios": e["ios"],
+               f"{at}.bandwidth_bytes_per_s": e["bandwidth_bytes_per_s"],
+               f"{base}.block.time_idle_pct": idle}
     mean_size = e["bytes"] / e["ios"]
     # The most common request size names the pattern better than the mean of a mix.
     common = max(e["size_hist"].items(), key=lambda kv: kv[1], default=(mean_size, 0))[0]
     size = size_label(int(common))
     p99 = e["latency_us"]["p99"]
     p99_txt = f"p99 = {human_us(p99)}"
+    figures[f"{at}.latency_us.p99"] = p99
     if p99 is None and "p99_below_us" in e:
         # Recorded without events: only the kernel's log2 histogram bounds the percentile.
         p99_txt = f"p99 < {human_us(e['p99_below_us'])}"
+        figures[f"{at}.p99_below_us"] = e["p99_below_us"]
     bw = f"{human_bytes(e['bandwidth_bytes_per_s'])}/s"
     noun = f"{phase} {op}s" + ("" if layer == "block" else f" ({layer})")
     idle_txt = "" if idle is None else f" while the device is {idle:.0f} % idle"
-    cap = ph["block"].get("capacity_idle_pct")
-    cap_txt = "" if cap is None else f", {cap:.0f} % of its calibrated capacity unused"
+    cap_txt = ""
+    if cap is not None:
+        cap_txt = f", {cap:.0f} % of its calibrated capacity unused"
+        figures[f"{base}.block.capacity_idle_pct"] = cap
     if idle is not None and mean_size >= LARGE_BYTES and 100 - idle >= BUSY_PCT:
-        return (f"{noun} are bandwidth-bound at {bw} ({size} requests, "
-                f"device busy {100 - idle:.0f} % of the phase{cap_txt})")
+        return Finding("bandwidth-bound", phase,
+                       f"{noun} are bandwidth-bound at {bw} ({size} requests, "
+                       f"device busy {100 - idle:.0f} % of the phase{cap_txt})", figures)
+    if idle is not None and mean_size >= LARGE_BYTES and idle >= IDLE_PCT and \
+            (cap is None or cap >= IDLE_PCT):
+        return Finding("not-storage-bound", phase, (
+            f"{noun}: {bw} in {size} requests while the device is {idle:.0f} % idle"
+            f"{cap_txt}: storage is not what limits them (a cgroup I/O limit, too few "
+            "writers or readers, or the engine's own pace is)"), figures)
     if mean_size < SMALL_BYTES and (idle is None or 100 - idle < BUSY_PCT):
-        return f"{noun} are latency-bound at {p99_txt}{idle_txt}{cap_txt}"
-    return (f"{noun}: {bw} in {size} requests, {e['iops']:.0f} IOPS, "
-            f"{p99_txt}{idle_txt}{cap_txt}")
+        return Finding("latency-bound", phase,
+                       f"{noun} are latency-bound at {p99_txt}{idle_txt}{cap_txt}", figures)
+    figures[f"{at}.iops"] = e["iops"]
+    return Finding("phase-io", phase, f"{noun}: {bw} in {size} requests, {e['iops']:.0f} IOPS, "
+                                      f"{p99_txt}{idle_txt}{cap_txt}", figures)
 
 
-def findings(summary: dict) -> dict[str, str]:
-    """Phase -> verdict, in schema.PHASES order, for every phase that took time."""
-    out = {}
-    for p in schema.PHASES:
-        text = phase_finding(p, summary["phases"][p])
-        if text is not None:
-            out[p] = text
+def phase_finding(phase: str, ph: dict) -> str | None:
+    """One sentence about this phase, or None when the phase took no time."""
+    f = _phase(phase, ph)
+    return None if f is None else f.text
+
+
+def _busy(ph: dict) -> tuple[float, str, str] | None:
+    """How much of the device the phase uses, in %: of its calibrated capacity where known,
+    else of its time; with the report path it comes from and its word."""
+    block = ph["block"]
+    if block.get("capacity_idle_pct") is not None:
+        return 100 - block["capacity_idle_pct"], "capacity_idle_pct", "capacity"
+    if block.get("time_idle_pct") is not None:
+        return 100 - block["time_idle_pct"], "time_idle_pct", "time"
+    return None
+
+
+def _sized_for_one_phase(summary: dict) -> list[Finding]:
+    phases = summary["phases"]
+    work = [p for p in ("prefill", "decode", "mixed") if phases[p]["time_s"] > 0]
+    used = {p: _busy(phases[p]) for p in work}
+    used = {p: u for p, u in used.items() if u is not None}
+    if len(used) < 2:
+        return []
+    peak = max(used, key=lambda p: used[p][0])
+    if used[peak][0] < BUSY_PCT:
+        return []
+    out = []
+    for other in used:
+        share = phases[other]["time_share_pct"]
+        idle, key, word = 100 - used[other][0], used[other][1], used[other][2]
+        if other == peak or idle < IDLE_PCT or share < OTHER_SHARE_PCT:
+            continue
+        peak_key = used[peak][1]
+        uses = (f"keeps the device busy {used[peak][0]:.0f} % of its time"
+                if used[peak][2] == "time" else
+                f"uses {used[peak][0]:.0f} % of the device's calibrated capacity")
+        leaves = (f"leaves it idle {idle:.0f} % of its time" if word == "time" else
+                  f"leaves {idle:.0f} % of that capacity unused")
+        text = (f"storage is sized for {peak}'s peak: {peak} {uses}, while {other} "
+                f"({share:.0f} % of the session) {leaves}")
+        out.append(Finding("sized-for-one-phase", other, text, {
+            f"phases.{peak}.block.{peak_key}": phases[peak]["block"][peak_key],
+            f"phases.{other}.block.{key}": phases[other]["block"][key],
+            f"phases.{other}.time_share_pct": share}))
     return out
+
+
+def _time_split(summary: dict) -> list[Finding]:
+    phases = summary["phases"]
+    pre, dec = phases["prefill"]["time_share_pct"], phases["decode"]["time_share_pct"]
+    figures = {"phases.prefill.time_share_pct": pre, "phases.decode.time_share_pct": dec}
+    if dec >= SPLIT_SHARE_PCT and dec >= DOMINANT * pre:
+        return [Finding("decode-dominated", "decode", (
+            f"decode takes {dec:.0f} % of the time, prefill {pre:.0f} %: output-heavy serving "
+            "(short prompts, long outputs); storage serves it best with low latency on small "
+            "reads"), figures)]
+    if pre >= SPLIT_SHARE_PCT and pre >= DOMINANT * dec:
+        return [Finding("prefill-dominated", "prefill", (
+            f"prefill takes {pre:.0f} % of the time, decode {dec:.0f} %: prompt-heavy serving "
+            "(long contexts, short outputs); storage serves it best with write and read "
+            "bandwidth"), figures)]
+    return []
+
+
+def _prefix_cache(summary: dict) -> list[Finding]:
+    hit = (summary.get("engine") or {}).get("prefix_cache_hit_pct")
+    dec = summary["phases"]["decode"]
+    if hit is None or hit >= 100 or dec["time_s"] <= 0:
+        return []
+    layer = phase_layer(dec)
+    read = dec[layer]["read"]["bytes"]
+    if not read:
+        return []
+    step = min(HIT_STEP_PCT, 100 - hit)
+    saved = read * step / (100 - hit)
+    return [Finding("prefix-cache", "decode", (
+        f"prefix-cache hit {hit:.0f} %: if decode's storage reads scale with misses, "
+        f"{step:.0f} points more would remove about {human_bytes(saved)} of its "
+        f"{human_bytes(read)} read"), {"engine.prefix_cache_hit_pct": hit,
+                                       f"phases.decode.{layer}.read.bytes": read})]
+
+
+def _writeback(summary: dict) -> list[Finding]:
+    out = []
+    for p in schema.PHASES:
+        wb = summary["phases"][p].get("writeback") or {}
+        total, away = wb.get("bytes", 0), wb.get("elsewhere_bytes", 0)
+        if not total or 100 * away / total < ELSEWHERE_PCT:
+            continue
+        out.append(Finding("writeback-elsewhere", p, (
+            f"{100 * away / total:.0f} % of {p}'s buffered writes ({human_bytes(away)} of "
+            f"{human_bytes(total)}) reached the device in another phase, through writeback: "
+            "the block layer shows them there"),
+            {f"phases.{p}.writeback.bytes": total,
+             f"phases.{p}.writeback.elsewhere_bytes": away}))
+    return out
+
+
+def findings(summary: dict) -> list[Finding]:
+    """Every finding: per phase in schema.PHASES order (those that took time), then the
+    rules across phases."""
+    out = [f for p in schema.PHASES if (f := _phase(p, summary["phases"][p])) is not None]
+    return (out + _sized_for_one_phase(summary) + _time_split(summary)
+            + _prefix_cache(summary) + _writeback(summary))

@@ -13,7 +13,9 @@ WIDTH = 80
 
 
 def to_json(summary: dict) -> str:
-    return json.dumps(summary, indent=2, sort_keys=False)
+    """The summary, with the findings and the figures each rests on."""
+    return json.dumps({**summary, "findings": [f.as_dict() for f in findings(summary)]},
+                      indent=2, sort_keys=False)
 
 
 def _pct(v: float | None) -> str:
@@ -47,8 +49,9 @@ def to_text(summary: dict, name: str = "") -> str:
                 for op, e in ph[layer].items() if isinstance(e, dict) and e.get("ios")]
         if not rows:
             continue
-        lines += ["", f"== {p}: {ph['time_s']:.2f} s ({ph['time_share_pct']:.1f} % of session)",
-                  header]
+        rate = ph["engine"]["tokens_per_s"]
+        lines += ["", f"== {p}: {ph['time_s']:.2f} s ({ph['time_share_pct']:.1f} % of session)"
+                  + ("" if rate is None else f", {rate:,.0f} tokens/s"), header]
         for layer, op, e in rows:
             lat = e["latency_us"]
             lines.append(
@@ -66,8 +69,8 @@ def to_text(summary: dict, name: str = "") -> str:
             used = "; ".join(
                 f"{op} {_achieved(o)} of {_achieved(o, 'capability')} ({o['pattern']})"
                 for op, o in cap["by_op"].items() if o["achieved"])
-            lines += textwrap.wrap(f"capacity used {cap['used_pct']:.1f} %: {used or 'no I/O'}",
-                                   WIDTH, initial_indent="  ", subsequent_indent="    ")
+            lines += _wrap(f"capacity used {cap['used_pct']:.1f} %: {used or 'no I/O'}",
+                           "  ", "    ")
         devs = ph["block"]["devices"]
         if devs:
             idle = "  ".join(f"{d} {_pct(v['time_idle_pct'])}" for d, v in devs.items())
@@ -96,6 +99,7 @@ def to_text(summary: dict, name: str = "") -> str:
                     f"{_pct(rd['page_cache_hit_pct']).replace(' ', ''):>8}"
                     f"{human_bytes(wr['bytes']):>11}{wr['bandwidth_bytes_per_s'] / 2**20:>8.1f}"
                     f"{100 * direct:>7.0f}%")
+    lines += _engine_lines(summary.get("engine"))
     lines += _exact_lines(summary.get("exact"))
     lines.insert(3, "phase sources: " + ", ".join(s["phase_sources"]))
     for src, problems in s["source_problems"].items():
@@ -122,12 +126,36 @@ def to_text(summary: dict, name: str = "") -> str:
     verdicts = findings(summary)
     if verdicts:
         lines += ["", "findings:"]
-        for text in verdicts.values():
-            # Keep "96 %" on one line: wrap with the space masked, then put it back.
-            wrapped = textwrap.wrap(text.replace(" %", "\0%"), WIDTH, initial_indent="  ",
-                                    subsequent_indent="    ")
-            lines += [w.replace("\0", " ") for w in wrapped]
+        for text in (f.text for f in verdicts):
+            lines += _wrap(text, "  ", "    ")
     return "\n".join(lines) + "\n"
+
+
+def _wrap(text: str, first: str, then: str) -> list[str]:
+    """Wrapped to WIDTH, keeping "96 %" on one line (the space masked while wrapping)."""
+    return [w.replace("\0", " ") for w in textwrap.wrap(
+        text.replace(" %", "\0%"), WIDTH, initial_indent=first, subsequent_indent=then,
+        break_on_hyphens=False)]
+
+
+def _engine_lines(engine: dict | None) -> list[str]:
+    """The engines' own figures, those their sources gave."""
+    if not engine:
+        return []
+    parts = []
+    if engine["ttft_s"] is not None:
+        parts.append(f"TTFT {human_us(engine['ttft_s'] * 1e6)}")
+    if engine["itl_s"] is not None:
+        parts.append(f"inter-token {human_us(engine['itl_s'] * 1e6)}")
+    if engine["prefix_cache_hit_pct"] is not None:
+        parts.append(f"prefix-cache hit {engine['prefix_cache_hit_pct']:.1f} %")
+    if engine["throughput_tokens_per_s"] is not None:
+        parts.append(f"{engine['throughput_tokens_per_s']:,.0f} tokens/s generated")
+    if not parts:
+        return []
+    # Each figure on one line: its spaces masked while wrapping.
+    return [""] + _wrap("engine (means over the session): "
+                        + ", ".join(x.replace(" ", "\0") for x in parts), "", "  ")
 
 
 def _achieved(o: dict, key: str = "achieved") -> str:

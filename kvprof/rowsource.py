@@ -118,7 +118,8 @@ class RowSource:
     def writeback(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         """The bios flush threads wrote back (the writeback table), each with the phase and
         cache of the last buffered syscall write to its inode before it: per (phase, cache)
-        bios and bytes; phase and cache are None for writeback no traced write explains."""
+        bios, bytes and the bytes issued while another phase ran; phase and cache are None
+        for writeback no traced write explains."""
         raise NotImplementedError
 
     def over_time(self, pieces: Pieces, view: ViewFilter, c0: int, ncells: int,
@@ -142,6 +143,17 @@ class RowSource:
         (phase, layer, op, ios, bytes, queue ns, service ns, size, queue and service log2
         histograms) and per device (phase, device, busy ns); None for a session recorded
         without it."""
+        raise NotImplementedError
+
+    def engine_counters(self, t0: int, t1: int) -> list[tuple[str, str, float]]:
+        """Per engine counter series of schema.ENGINE_SERIES: (name, labels, how far it moved
+        in [t0, t1)), from its last value before t0 (else its first in the span) to its last
+        in the span. A series that went back (an engine restart) is left out."""
+        raise NotImplementedError
+
+    def phase_tokens(self, t0: int, t1: int) -> list[tuple[str, str, float, float]]:
+        """Per phase and source, the prefill and decode tokens of the windows in [t0, t1),
+        each window's counts prorated by the share of it inside."""
         raise NotImplementedError
 
     def sampling(self, t0: int, t1: int) -> list[int]:
@@ -261,6 +273,42 @@ class SqlRows(RowSource):
             return None  # recorded before the aggregate tier
         return agg, busy
 
+    def engine_counters(self, t0: int, t1: int) -> list[tuple[str, str, float]]:
+        names = sorted(schema.ENGINE_SERIES)
+        try:
+            rows = self.cur.execute(f"""
+                SELECT name, labels,
+                       coalesce(arg_max(value, ts_ns) FILTER (WHERE ts_ns < ?),
+                                arg_min(value, ts_ns) FILTER (WHERE ts_ns >= ?)) AS base,
+                       arg_max(value, ts_ns) AS last,
+                       bool_or(ts_ns >= ? AND value < prev) AS went_back
+                FROM (SELECT *, lag(value) OVER (PARTITION BY name, labels ORDER BY ts_ns)
+                                AS prev
+                      FROM engine_metric
+                      WHERE name IN ({", ".join("?" for _ in names)}) AND ts_ns < ?)
+                GROUP BY name, labels""", [int(t0), int(t0), int(t0), *names, int(t1)]
+                                    ).fetchall()
+        except duckdb.CatalogException:
+            return []
+        return [(n, labels, float(last - base)) for n, labels, base, last, back in rows
+                if not back and base is not None]
+
+    def phase_tokens(self, t0: int, t1: int) -> list[tuple[str, str, float, float]]:
+        part = "(least(end_ns, ?) - greatest(start_ns, ?))::DOUBLE / (end_ns - start_ns)"
+        query = f"""
+            SELECT phase, source, sum(coalesce(prefill_tokens, 0) * {part}),
+                   sum(coalesce(decode_tokens, 0) * {part})
+            FROM {{}} WHERE end_ns > ? AND start_ns < ? AND end_ns > start_ns
+            GROUP BY phase, source"""
+        params = [int(t1), int(t0)] * 2 + [int(t0), int(t1)]
+        try:
+            return self.cur.execute(
+                f"SELECT phase, source, sum(p), sum(d) FROM ({query.format('phase')} UNION ALL "
+                f"{query.format('phase_open')}) t(phase, source, p, d) GROUP BY ALL",
+                params * 2).fetchall()
+        except duckdb.CatalogException:
+            return self.cur.execute(query.format("phase"), params).fetchall()
+
     def sampling(self, t0: int, t1: int) -> list[int]:
         try:
             rows = self.cur.execute("""
@@ -374,9 +422,12 @@ class SqlRows(RowSource):
                       WHERE layer = 'syscall' AND op = 'write' AND inode IS NOT NULL
                         AND (flags & {schema.FLAG_DIRECT}) = 0) io
                 ASOF JOIN _kv_windows k ON io.issue_ns >= k.w_start),
-            wb AS (SELECT inode, ts_ns AS issue_ns, bytes FROM writeback
-                   {"WHERE " + cond if cond else ""})
-            SELECT w.phase, w.cache, count(*), sum(wb.bytes)::UBIGINT
+            wb AS (SELECT b.inode, b.ts_ns AS issue_ns, b.bytes, k.w_phase AS landed
+                   FROM (SELECT inode, ts_ns, bytes FROM writeback
+                         {"WHERE " + cond if cond else ""}) b
+                   ASOF JOIN _kv_windows k ON b.ts_ns >= k.w_start)
+            SELECT w.phase, w.cache, count(*), sum(wb.bytes)::UBIGINT,
+                   coalesce(sum(wb.bytes) FILTER (WHERE wb.landed <> w.phase), 0)::UBIGINT
             FROM wb ASOF LEFT JOIN w ON wb.inode = w.inode AND wb.issue_ns >= w.issue_ns
             GROUP BY ALL ORDER BY ALL""", params)
 
@@ -505,6 +556,12 @@ class LiveRows(RowSource):
 
     def sampling(self, t0: int, t1: int) -> list[int]:
         return self.sql.sampling(t0, t1)
+
+    def engine_counters(self, t0: int, t1: int) -> list[tuple[str, str, float]]:
+        return self.sql.engine_counters(t0, t1)
+
+    def phase_tokens(self, t0: int, t1: int) -> list[tuple[str, str, float, float]]:
+        return self.sql.phase_tokens(t0, t1)
 
     def weighted_quantiles(self, pieces: Pieces, view: ViewFilter
                            ) -> dict[tuple[str, str, str], tuple[list, list, list]]:

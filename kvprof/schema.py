@@ -208,6 +208,31 @@ ENGINE_METRIC = pa.schema(
     ]
 )
 
+# The engines' own serving figures, from counters the metrics sources also keep in
+# engine_metric (only their _sum/_count, not the buckets). Figure -> (numerator, denominator)
+# series per engine, the first pair a session has is used: a mean is delta sum / delta count,
+# a hit share delta hits / delta queries, over the span asked for.
+ENGINE_MEANS = {
+    "ttft_s": (("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"),
+               ("sglang:time_to_first_token_seconds_sum",
+                "sglang:time_to_first_token_seconds_count")),
+    "itl_s": (("vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count"),
+              ("vllm:time_per_output_token_seconds_sum",
+               "vllm:time_per_output_token_seconds_count"),
+              ("sglang:inter_token_latency_seconds_sum",
+               "sglang:inter_token_latency_seconds_count"),
+              ("tgi_request_mean_time_per_token_duration_sum",
+               "tgi_request_mean_time_per_token_duration_count")),
+    "prefix_cache_hit_share": (("vllm:prefix_cache_hits_total",
+                                "vllm:prefix_cache_queries_total"),),
+}
+# Token counters: the session's generated tokens a second (its throughput).
+ENGINE_TOKENS = {"prompt_tokens": ("vllm:prompt_tokens_total", "sglang:prompt_tokens_total"),
+                 "generation_tokens": ("vllm:generation_tokens_total",
+                                       "sglang:generation_tokens_total")}
+ENGINE_SERIES = frozenset([n for pairs in ENGINE_MEANS.values() for pair in pairs for n in pair]
+                          + [n for names in ENGINE_TOKENS.values() for n in names])
+
 # The aggregate tier (probes/kvprof.h, kvprof/capture/aggregate.py): every block and io_uring
 # request counted in the kernel, per completion second, phase, layer, op and device, whatever
 # the event tier kept. The phase is kvprof's current phase (from marks) when the request was

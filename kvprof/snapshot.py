@@ -170,7 +170,7 @@ def build_snapshot(rows: RowSource, window_s: float | None, now_ns: int,
         lost_events=s["lost_events"], phases=phases,
         timeline=tuple(Bin(*b) for b in f.timeline), bin_ns=f.bin_ns,
         gpu=GpuStats(**f.gpu) if f.gpu else None, gpu_note=f.gpu_note,
-        findings=tuple(findings(f.summary).values()), notes=tuple(notes),
+        findings=tuple(x.text for x in findings(f.summary)), notes=tuple(notes),
         device_choices=tuple(f.devices), process_choices=f.processes,
         build_s=time.perf_counter() - started, summary=f.summary)
 

@@ -13,6 +13,8 @@ def human_bytes(n: float) -> str:
 def human_us(v: float | None) -> str:
     if v is None:
         return "-"
+    if v >= 1_000_000:
+        return f"{v / 1e6:.2f}s"
     if v >= 10_000:
         return f"{v / 1000:.0f}ms"
     if v >= 1000:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,40 @@ def calibration_store(tmp_path, monkeypatch):
     store = tmp_path / "calibration"
     monkeypatch.setenv("KVPROF_CALIBRATION_DIR", str(store))
     return store
+
+
+@contextmanager
+def io_limit(dev: str, read_bps: int | None = None, write_bps: int | None = None):
+    """This process (and what it starts) in a cgroup whose reads and writes of `dev` the
+    kernel holds to these rates: cgroup v2 `io.max` where the io controller is on the v2
+    hierarchy, else v1 blkio's throttle."""
+    majmin = Path(f"/sys/block/{dev}/dev").read_text().strip()
+    v2 = next((r for r in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
+               if (r / "cgroup.controllers").exists()
+               and "io" in (r / "cgroup.controllers").read_text().split()), None)
+    if v2 is not None:
+        root = v2
+        (root / "cgroup.subtree_control").write_text("+io")
+        cg = root / f"kvprof-test-{os.getpid()}"
+        cg.mkdir()
+        limits = " ".join(f"{k}={v}" for k, v in (("rbps", read_bps), ("wbps", write_bps))
+                          if v)
+        (cg / "io.max").write_text(f"{majmin} {limits}")
+    else:
+        root = Path("/sys/fs/cgroup/blkio")
+        if not root.exists():
+            pytest.skip("no cgroup I/O controller (v2 io or v1 blkio) on this machine")
+        cg = root / f"kvprof-test-{os.getpid()}"
+        cg.mkdir()
+        for name, v in (("read", read_bps), ("write", write_bps)):
+            if v:
+                (cg / f"blkio.throttle.{name}_bps_device").write_text(f"{majmin} {v}")
+    (cg / "cgroup.procs").write_text(str(os.getpid()))
+    try:
+        yield
+    finally:
+        (root / "cgroup.procs").write_text(str(os.getpid()))
+        cg.rmdir()
 
 
 def read_stat(dev: str) -> list[int]:

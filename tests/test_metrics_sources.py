@@ -437,11 +437,15 @@ def test_vllm_windows_follow_the_counters(endpoints, sources):
     assert chunked["confidence"] < 1.0
     assert src.counts() == {}
 
-    # kv_offload samples: one row per change, creation-time series left out.
+    # kv_offload samples and the serving figures' counters (schema.ENGINE_SERIES; not the
+    # histogram buckets): one row per change, creation-time series left out.
     metrics = src.metric_rows
     names = {m["name"] for m in metrics}
     assert names == {"vllm:kv_offload_tiering_read_bytes_total",
-                     "vllm:kv_offload_total_bytes_total", "vllm:kv_offload_cpu_cache_usage_perc"}
+                     "vllm:kv_offload_total_bytes_total", "vllm:kv_offload_cpu_cache_usage_perc",
+                     "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                     "vllm:time_to_first_token_seconds_sum",
+                     "vllm:time_to_first_token_seconds_count"}
     reads = [m for m in metrics if m["name"] == "vllm:kv_offload_tiering_read_bytes_total"]
     assert json.loads(reads[0]["labels"]) == {"model_name": MODEL, "engine": "0", "tier": "fs"}
     assert all(a["value"] < b["value"] for a, b in itertools.pairwise(reads))

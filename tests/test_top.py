@@ -67,7 +67,9 @@ def test_report_ends_with_the_findings(sample):
     block = text.split("\nfindings:\n", 1)[1]
     assert "decode reads are latency-bound" in block
     assert all(len(line) <= 80 for line in text.splitlines())
-    assert list(findings(summary)) == ["prefill", "decode", "idle"]
+    assert [(f.phase, f.rule) for f in findings(summary)] == [
+        ("prefill", "bandwidth-bound"), ("decode", "latency-bound"), ("idle", "no-io"),
+        ("decode", "sized-for-one-phase"), ("decode", "decode-dominated")]
 
 
 # -- snapshots -----------------------------------------------------------------------------------
@@ -87,7 +89,7 @@ def test_snapshot_summary_is_the_report_for_its_window(sample, window_s):
     assert dec.read.mean == rep["bandwidth_bytes_per_s"] and dec.p99_us == rep["latency_us"]["p99"]
     assert dec.read.peak >= dec.read.mean > 0 and dec.read.now > 0
     assert len(s.timeline) == 60 and any(b.phase == "decode" for b in s.timeline)
-    assert s.findings == tuple(findings(s.summary).values())
+    assert s.findings == tuple(f.text for f in findings(s.summary))
     assert s.gpu is None and "no GPU data" in s.gpu_note
 
 
@@ -189,7 +191,11 @@ def test_pilot_keys_change_window_filter_and_pause(sample):
     # The first message, the whole session at its end, is what `kvprof report --json` prints.
     out = run_kvprof("report", str(SAMPLE), "--json")
     assert out.returncode == 0, out.stderr
-    assert_same_report(posted[0].summary, json.loads(out.stdout))
+    printed = json.loads(out.stdout)
+    # The report's JSON adds the findings, which the dashboard shows from the same summary.
+    assert [f["text"] for f in printed.pop("findings")] == [
+        f.text for f in findings(posted[0].summary)]
+    assert_same_report(posted[0].summary, printed)
     # Every message carries the report of its window and filter (built from the feed's row
     # cache, held equal to the SQL of `kvprof report`).
     for s in posted[:: max(1, len(posted) // 6)] + posted[-1:]:

@@ -68,6 +68,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
+from kvprof import schema
 from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.phases.base import PhaseSource, step_phase
 from kvprof.phases.exposition import Sample, parse_exposition
@@ -209,7 +210,14 @@ class MetricsSource(PhaseSource):
         return _engine_name(base, rank)
 
     def wants(self, name: str) -> bool:
-        return name in self.phase_series or name.startswith(self.engine_metric_prefixes)
+        return name in self.phase_series or self._kept(name)
+
+    def _kept(self, name: str) -> bool:
+        """A series written to engine_metric: the engine's offload counters and the serving
+        figures' counters (schema.ENGINE_SERIES: TTFT, inter-token latency, tokens, prefix
+        cache), never a _created timestamp."""
+        return ((name.startswith(self.engine_metric_prefixes) or name in schema.ENGINE_SERIES)
+                and not name.endswith("_created"))
 
     def read(self, samples: list[Sample]) -> dict[str, Reading]:
         raise NotImplementedError
@@ -312,12 +320,9 @@ class MetricsSource(PhaseSource):
                                        step.confidence))
 
     def _record_engine_metrics(self, ts_ns: int, samples: list[Sample]) -> None:
-        if not self.engine_metric_prefixes:
-            return
         seen: dict[tuple[str, str], float] = {}
         for s in samples:
-            # _created series hold the series' creation time, not a measurement.
-            if not s.name.startswith(self.engine_metric_prefixes) or s.name.endswith("_created"):
+            if not self._kept(s.name):
                 continue
             key = (s.name, json.dumps(s.labels, sort_keys=True))
             last = self._last_values.get(key)

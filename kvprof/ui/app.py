@@ -235,6 +235,8 @@ class FindingsLine(SnapshotView):
         return super().render()
 
     def render_snapshot(self, s: Snapshot) -> Text:
+        # A small terminal keeps its lines for the phase panels: fewer findings lines there.
+        self.styles.max_height = 4 if self.app.size.height < 30 else 6
         t = Text()
         for i, line in enumerate((*s.notes, *s.findings)):
             t.append("\n" if i else "")

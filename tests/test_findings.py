@@ -1,0 +1,90 @@
+"""Findings on sessions recorded from real runs on a loop device: the expected rules fire, and
+every figure a finding names equals the report's own value at that path."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+from tests.conftest import io_limit, live, run_kvprof
+
+pytestmark = live
+
+
+def fio(dev: str, *args: str, seconds: float) -> None:
+    subprocess.run(["fio", "--name=w", f"--filename=/dev/{dev}", "--direct=1", "--time_based",
+                    f"--runtime={seconds}", "--size=128M", *args], check=True,
+                   capture_output=True)
+
+
+def at(report: dict, path: str):
+    node = report
+    for key in path.split("."):
+        node = node[key]
+    return node
+
+
+def found(report: dict) -> dict[tuple[str, str | None], dict]:
+    """(rule, phase) -> finding; and every figure it names is the report's."""
+    out = {}
+    for f in report["findings"]:
+        assert f["figures"], f
+        for path, value in f["figures"].items():
+            assert at(report, path) == value, (f["rule"], path)
+        out[(f["rule"], f["phase"])] = f
+    return out
+
+
+def recorded(start_recorder, loopdev: str, steps) -> dict:
+    rec = start_recorder("-d", loopdev)
+    for phase, work in steps:
+        run_kvprof("mark", phase, "--socket", rec.socket)
+        work()
+    run_kvprof("mark", "idle", "--socket", rec.socket)
+    assert rec.stop() == 0
+    r = run_kvprof("report", str(rec.out), "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_write_heavy_prefill_with_an_idle_decode(loopdev, start_recorder):
+    report = recorded(start_recorder, loopdev, [
+        ("prefill", lambda: fio(loopdev, "--rw=write", "--bs=1M", "--iodepth=8",
+                                "--ioengine=io_uring", seconds=1.5)),
+        ("decode", lambda: time.sleep(1.5))])
+    got = found(report)
+    assert ("bandwidth-bound", "prefill") in got
+    sized = got[("sized-for-one-phase", "decode")]
+    assert sized["text"].startswith("storage is sized for prefill's peak")
+    assert report["phases"]["decode"]["block"]["time_idle_pct"] == 100.0
+    assert ("no-io", "decode") in got
+
+
+def test_a_latency_bound_decode(loopdev, start_recorder):
+    def decode():
+        # One small read at a time with think time between: the device waits on the engine.
+        fio(loopdev, "--rw=randread", "--bs=4k", "--iodepth=1", "--ioengine=psync",
+            "--thinktime=200", seconds=2)
+
+    report = recorded(start_recorder, loopdev, [("decode", decode)])
+    got = found(report)
+    f = got[("latency-bound", "decode")]
+    assert f["text"].startswith("decode reads are latency-bound at p99 = ")
+    assert report["phases"]["decode"]["block"]["time_idle_pct"] > 50
+    assert ("decode-dominated", "decode") in got
+
+
+def test_a_throttled_device_is_not_what_limits_the_phase(loopdev, start_recorder):
+    def prefill():
+        with io_limit(loopdev, write_bps=32 << 20):
+            fio(loopdev, "--rw=write", "--bs=1M", "--iodepth=8", "--ioengine=io_uring",
+                seconds=2)
+
+    report = recorded(start_recorder, loopdev, [("prefill", prefill)])
+    got = found(report)
+    f = got[("not-storage-bound", "prefill")]
+    pre = report["phases"]["prefill"]
+    assert pre["block"]["write"]["bandwidth_bytes_per_s"] < 48 << 20
+    assert pre["block"]["time_idle_pct"] >= 80
+    assert "storage is not what limits them" in f["text"]
+    assert ("bandwidth-bound", "prefill") not in got
