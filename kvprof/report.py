@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 from kvprof import schema
 from kvprof.findings import findings
-from kvprof.units import human_bytes, human_us, size_label
+from kvprof.units import engine_parts, human_bytes, human_us, size_label
 
 WIDTH = 80
 
@@ -140,17 +140,7 @@ def _wrap(text: str, first: str, then: str) -> list[str]:
 
 def _engine_lines(engine: dict | None) -> list[str]:
     """The engines' own figures, those their sources gave."""
-    if not engine:
-        return []
-    parts = []
-    if engine["ttft_s"] is not None:
-        parts.append(f"TTFT {human_us(engine['ttft_s'] * 1e6)}")
-    if engine["itl_s"] is not None:
-        parts.append(f"inter-token {human_us(engine['itl_s'] * 1e6)}")
-    if engine["prefix_cache_hit_pct"] is not None:
-        parts.append(f"prefix-cache hit {engine['prefix_cache_hit_pct']:.1f} %")
-    if engine["throughput_tokens_per_s"] is not None:
-        parts.append(f"{engine['throughput_tokens_per_s']:,.0f} tokens/s generated")
+    parts = engine_parts(engine)
     if not parts:
         return []
     # Each figure on one line: its spaces masked while wrapping.

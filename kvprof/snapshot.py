@@ -19,6 +19,7 @@ from kvprof import correlate, schema
 from kvprof.findings import findings
 from kvprof.rowsource import Interrupted, RowSource, ViewFilter, for_feed
 from kvprof.store import Reader
+from kvprof.units import engine_parts
 
 NS = 1_000_000_000
 WINDOWS_S: tuple[float | None, ...] = (10.0, 60.0, None)  # None: the whole session
@@ -162,6 +163,9 @@ def build_snapshot(rows: RowSource, window_s: float | None, now_ns: int,
                      "or use --phases)")
     if not any(p.ios for p in phases):
         notes.append(f"no I/O in this window ({filters.label()})")
+    engine = engine_parts(f.summary["engine"])
+    if engine:
+        notes.append("engine: " + ", ".join(engine))
     s = f.summary["session"]
     return Snapshot(
         host=s["host"], devices=tuple(s["devices"]), sources=tuple(s["phase_sources"]),

@@ -27,3 +27,19 @@ def size_label(b: int) -> str:
         if b >= div:
             return f"{b // div}{unit}"
     return f"{b}B"
+
+
+def engine_parts(engine: dict | None) -> list[str]:
+    """The engines' figures a summary has (`engine`), each as a short phrase."""
+    if not engine:
+        return []
+    parts = []
+    if engine.get("ttft_s") is not None:
+        parts.append(f"TTFT {human_us(engine['ttft_s'] * 1e6)}")
+    if engine.get("itl_s") is not None:
+        parts.append(f"inter-token {human_us(engine['itl_s'] * 1e6)}")
+    if engine.get("prefix_cache_hit_pct") is not None:
+        parts.append(f"prefix-cache hit {engine['prefix_cache_hit_pct']:.1f} %")
+    if engine.get("throughput_tokens_per_s") is not None:
+        parts.append(f"{engine['throughput_tokens_per_s']:,.0f} tokens/s generated")
+    return parts

@@ -19,6 +19,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvprof.markers import Marker
+from kvprof.rowsource import SqlRows
+from kvprof.snapshot import build_snapshot
+from kvprof.store import open_session, session_info
 from tests.conftest import aligned, io_limit, live, run_kvprof
 
 pytestmark = live
@@ -119,6 +122,15 @@ def test_engine_figures_are_what_the_engine_measured(loopdev, start_recorder):
     assert pre["engine"]["tokens_per_s"] == pytest.approx(REQUESTS * PROMPT / pre["time_s"])
     text = run_kvprof("report", str(out)).stdout
     assert "TTFT" in text and "prefix-cache hit 25.0 %" in text
+    # The dashboard's frame of the whole session says the same.
+    con = open_session(out)
+    try:
+        snap = build_snapshot(SqlRows(con), None, session_info(con).end_ns)
+    finally:
+        con.close()
+    assert snap.summary["engine"] == eng
+    assert any(n.startswith("engine: TTFT ") and "prefix-cache hit 25.0 %" in n
+               for n in snap.notes), snap.notes
 
 
 def test_compare_shows_a_throttled_device_and_gates_fail_exactly_past_the_threshold(

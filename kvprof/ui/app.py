@@ -235,8 +235,6 @@ class FindingsLine(SnapshotView):
         return super().render()
 
     def render_snapshot(self, s: Snapshot) -> Text:
-        # A small terminal keeps its lines for the phase panels: fewer findings lines there.
-        self.styles.max_height = 4 if self.app.size.height < 30 else 6
         t = Text()
         for i, line in enumerate((*s.notes, *s.findings)):
             t.append("\n" if i else "")
@@ -310,7 +308,15 @@ class KvprofTop(App):
 
     def on_mount(self) -> None:
         self._show_mode()
+        self._fit_findings()
         self.feed.start()
+
+    def on_resize(self) -> None:
+        self._fit_findings()
+
+    def _fit_findings(self) -> None:
+        # A small terminal keeps its lines for the phase panels: fewer findings lines there.
+        self.query_one(FindingsLine).styles.max_height = 4 if self.size.height < 30 else 6
 
     def on_unmount(self) -> None:
         # Before the caller closes the connection or stops the recorder.
