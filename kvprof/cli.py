@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="per-phase storage numbers of a recorded session")
     p.add_argument("session", help="session directory (or its session.duckdb)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--html", metavar="FILE",
+                   help="write the visual report (timeline, histograms, idle, findings) as one "
+                        "self-contained HTML file instead")
 
     p = sub.add_parser("compare", help="two sessions' per-phase figures side by side, with "
                                        "gates that fail a test pipeline",
@@ -166,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail (exit 1) unless B changed NAME by at least this much: +N%% up, "
                         "-N%% down; repeatable")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write both sessions side by side as one self-contained HTML file")
 
     p = sub.add_parser("export", help="write a session's tables as Parquet")
     p.add_argument("session")
@@ -246,17 +251,29 @@ def cmd_top(args) -> int:
     return run_live(opts, interval_s=args.interval)
 
 
-def load_summary(session: str | Path) -> dict:
-    """The report of a recorded session, as a dict."""
-    from kvprof.correlate import summarize
+def load_summary(session: str | Path, with_timeline: bool = False):
+    """The report of a recorded session, as a dict; with its timeline for the visual report:
+    (summary, timeline)."""
+    from kvprof.correlate import summarize, timeline
     from kvprof.rowsource import SqlRows
     from kvprof.store import open_session
 
     con = open_session(session)
     try:
-        return summarize(SqlRows(con))
+        rows = SqlRows(con)
+        summary = summarize(rows)
+        return (summary, timeline(rows)) if with_timeline else summary
     finally:
         con.close()
+
+
+def write_html(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError as e:
+        raise KvprofError(f"cannot write {path}: {e.strerror}", EX_USAGE) from None
+    print(f"kvprof: wrote {path} ({len(text) >> 10} KiB, opens with no network)",
+          file=sys.stderr)
 
 
 def print_report(session: str | Path, name: str, as_json: bool) -> None:
@@ -269,6 +286,12 @@ def print_report(session: str | Path, name: str, as_json: bool) -> None:
 
 
 def cmd_report(args) -> int:
+    if args.html:
+        from kvprof.htmlreport import report_html
+
+        summary, timeline = load_summary(args.session, with_timeline=True)
+        write_html(args.html, report_html(summary, timeline, args.session))
+        return 0
     print_report(args.session, args.session, args.json)
     return 0
 
@@ -277,7 +300,13 @@ def cmd_compare(args) -> int:
     from kvprof import compare
 
     gates = [compare.parse_gate(g) for g in args.gate]
-    result = compare.compare(load_summary(args.a), load_summary(args.b), gates)
+    (a, ta), (b, tb) = (load_summary(s, with_timeline=bool(args.html)) if args.html
+                        else (load_summary(s), None) for s in (args.a, args.b))
+    result = compare.compare(a, b, gates)
+    if args.html:
+        from kvprof.htmlreport import compare_html
+
+        write_html(args.html, compare_html(result, a, b, (ta, tb), (args.a, args.b)))
     sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.json else
                      compare.to_text(result, args.a, args.b))
     sys.stdout.flush()

@@ -533,6 +533,33 @@ def frame(rows: RowSource, window_s: float | None, now_ns: int,
                  devices, processes, len(windows))
 
 
+def timeline(rows: RowSource, nbins: int = 200) -> dict:
+    """The whole session over time, for the visual report: `nbins` bins from its start, each
+    with the phase covering most of it, per phase the device layers' requests and bytes
+    issued in it (as the report attributes them: summed over the bins, they are the report's
+    per-phase counts), and mean GPU utilisation where NVML was sampled."""
+    info = rows.info()
+    t0, t1 = info.start_ns, max(info.end_ns, info.start_ns + 1)
+    bin_ns = max(1, math.ceil((t1 - t0) / nbins))
+    edges = t0 + np.arange(nbins + 1, dtype=np.int64) * bin_ns
+    ws, we, wp = flatten(rows.windows(), t0, t1)
+    covered = _phase_time(ws, we, wp, edges)
+    stacked = np.vstack([covered[p] for p in schema.PHASES])
+    series: dict = {}
+    for b, p, layer, op, ios, nbytes in rows.bins(Pieces(ws, we, wp, t0, t1, t0, True), bin_ns,
+                                                  nbins):
+        s = series.setdefault(f"{p}.{layer}.{op}", {"phase": p, "layer": layer, "op": op,
+                                                    "ios": [0] * nbins, "bytes": [0] * nbins})
+        s["ios"][int(b)] = int(ios)
+        s["bytes"][int(b)] = int(nbytes)
+    gpu = {"util_pct": [None] * nbins, "sm_active_pct": [None] * nbins}
+    for b, util, sm in rows.gpu_bins(t0, bin_ns, nbins):
+        gpu["util_pct"][int(b)], gpu["sm_active_pct"][int(b)] = util, sm
+    return {"start_ns": t0, "bin_s": bin_ns / NS,
+            "phase": [schema.PHASES[int(i)] for i in stacked.argmax(axis=0)],
+            "series": series, "gpu": gpu if any(v is not None for v in gpu["util_pct"]) else None}
+
+
 def _phase_time(ws, we, wp, edges: np.ndarray) -> dict[str, np.ndarray]:
     """Phase -> ns of that phase inside each bin; one phase's pieces are disjoint islands."""
     return {p: busy_between(ws[wp == p], we[wp == p], edges[:-1], edges[1:])

@@ -111,6 +111,17 @@ class RowSource:
         page cache did not hold; readahead included)."""
         raise NotImplementedError
 
+    def bins(self, pieces: Pieces, bin_ns: int, nbins: int) -> list[tuple]:
+        """The device layers' requests per (bin, phase, layer, op): requests and bytes (each
+        row weighed by its sample_weight), by issue time in bins of `bin_ns` from pieces.t0,
+        rows before the first bin or after the last counted in it (as the whole-session
+        report counts them)."""
+        raise NotImplementedError
+
+    def gpu_bins(self, t0: int, bin_ns: int, nbins: int) -> list[tuple]:
+        """Per bin: mean GPU and SM utilisation over the samples in it (all GPUs)."""
+        raise NotImplementedError
+
     def gds_calls(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         """cuFile calls per (phase, probe): DMA (cufio_gds_*) or compat POSIX (cufio_px_*)."""
         raise NotImplementedError
@@ -431,6 +442,27 @@ class SqlRows(RowSource):
             FROM wb ASOF LEFT JOIN w ON wb.inode = w.inode AND wb.issue_ns >= w.issue_ns
             GROUP BY ALL ORDER BY ALL""", params)
 
+    def bins(self, pieces: Pieces, bin_ns: int, nbins: int) -> list[tuple]:
+        weight = ("1" if "sample_weight" in missing_columns(self.cur, "io")
+                  else "coalesce(sample_weight, 1)")
+        layers = ", ".join(f"'{x}'" for x in schema.DEVICE_LAYERS)
+        return self._joined(pieces, f"""
+            SELECT least(greatest((io.issue_ns - ?) // ?, 0), ?) AS bin, w.w_phase,
+                   io.layer, io.op, sum(io.weight)::UBIGINT, sum(io.bytes * io.weight)::UBIGINT
+            FROM (SELECT issue_ns, layer, op, bytes, {weight} AS weight FROM io
+                  WHERE layer IN ({layers})) io
+            ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start
+            GROUP BY ALL ORDER BY ALL""", [int(pieces.t0), int(bin_ns), int(nbins - 1)])
+
+    def gpu_bins(self, t0: int, bin_ns: int, nbins: int) -> list[tuple]:
+        try:
+            return self.cur.execute("""
+                SELECT (ts_ns - ?) // ? AS bin, avg(gpu_util_pct), avg(sm_active_pct)
+                FROM gpu WHERE ts_ns >= ? AND ts_ns < ? GROUP BY ALL ORDER BY ALL""",
+                [int(t0), int(bin_ns), int(t0), int(t0) + int(bin_ns) * int(nbins)]).fetchall()
+        except duckdb.CatalogException:
+            return []
+
     def gds_calls(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         cond, params = _in_view(pieces, view)
         return self._joined(pieces, f"""
@@ -576,6 +608,12 @@ class LiveRows(RowSource):
 
     def gds_calls(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         return self.sql.gds_calls(pieces, view)
+
+    def bins(self, pieces: Pieces, bin_ns: int, nbins: int) -> list[tuple]:
+        return self.sql.bins(pieces, bin_ns, nbins)
+
+    def gpu_bins(self, t0: int, bin_ns: int, nbins: int) -> list[tuple]:
+        return self.sql.gpu_bins(t0, bin_ns, nbins)
 
     def interrupt(self) -> None:
         self.sql.interrupt()

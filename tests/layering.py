@@ -17,7 +17,7 @@ from pathlib import Path
 # Module prefixes (a prefix matches itself and its submodules). Written as module names rather
 # than paths so they compare directly with what is imported.
 VIEWS = ("kvprof.ui", "kvprof.snapshot", "kvprof.report", "kvprof.findings", "kvprof.top",
-         "kvprof.units")
+         "kvprof.units", "kvprof.htmlreport", "kvprof.compare")
 ROWS_CONSUMERS = ("kvprof.store", "kvprof.correlate", "kvprof.snapshot", "kvprof.ui",
                   "kvprof.record", "kvprof.cli")
 
@@ -41,6 +41,8 @@ RULES = (
     Rule("bcc only in capture", forbid=("bcc",), exempt=("kvprof.capture",)),
     Rule("pynvml only in the NVML sampler", forbid=("pynvml",),
          exempt=("kvprof.capture.nvml",)),
+    Rule("plotly only in the visual report", forbid=("plotly",),
+         exempt=("kvprof.htmlreport",)),
     # Views show what correlate computed: no queries, no number crunching of their own.
     Rule("views never import duckdb", forbid=("duckdb",), applies_to=VIEWS),
     Rule("views compute nothing themselves", forbid=("numpy", "kvprof.iocache",
