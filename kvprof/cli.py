@@ -113,6 +113,13 @@ def _layers(args) -> tuple[str, ...]:
     return tuple(layers)
 
 
+def _mixed_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mixed", choices=("apart", "split"), default="apart",
+                   help="mixed engine steps (chunked prefill): their own phase (apart, the "
+                        "default), or each mixed window cut into prefill and decode by its "
+                        "token share (split)")
+
+
 def _count(text: str) -> int:
     try:
         n = int(text)
@@ -158,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--html", metavar="FILE",
                    help="write the visual report (timeline, histograms, idle, findings) as one "
                         "self-contained HTML file instead")
+    _mixed_arg(p)
 
     p = sub.add_parser("compare", help="two sessions' per-phase figures side by side, with "
                                        "gates that fail a test pipeline",
@@ -171,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--html", metavar="FILE",
                    help="also write both sessions side by side as one self-contained HTML file")
+    _mixed_arg(p)
 
     p = sub.add_parser("export", help="write a session's tables as Parquet")
     p.add_argument("session")
@@ -251,7 +260,7 @@ def cmd_top(args) -> int:
     return run_live(opts, interval_s=args.interval)
 
 
-def load_summary(session: str | Path, with_timeline: bool = False):
+def load_summary(session: str | Path, with_timeline: bool = False, mixed: str = "apart"):
     """The report of a recorded session, as a dict; with its timeline for the visual report:
     (summary, timeline)."""
     from kvprof.correlate import summarize, timeline
@@ -261,8 +270,8 @@ def load_summary(session: str | Path, with_timeline: bool = False):
     con = open_session(session)
     try:
         rows = SqlRows(con)
-        summary = summarize(rows)
-        return (summary, timeline(rows)) if with_timeline else summary
+        summary = summarize(rows, mixed=mixed)
+        return (summary, timeline(rows, mixed=mixed)) if with_timeline else summary
     finally:
         con.close()
 
@@ -276,11 +285,11 @@ def write_html(path: str, text: str) -> None:
           file=sys.stderr)
 
 
-def print_report(session: str | Path, name: str, as_json: bool) -> None:
+def print_report(session: str | Path, name: str, as_json: bool, mixed: str = "apart") -> None:
     """The per-phase report of a recorded session on stdout: `kvprof report` and the demo."""
     from kvprof.report import to_json, to_text
 
-    summary = load_summary(session)
+    summary = load_summary(session, mixed=mixed)
     sys.stdout.write(to_json(summary) + "\n" if as_json else to_text(summary, name))
     sys.stdout.flush()
 
@@ -289,10 +298,10 @@ def cmd_report(args) -> int:
     if args.html:
         from kvprof.htmlreport import report_html
 
-        summary, timeline = load_summary(args.session, with_timeline=True)
+        summary, timeline = load_summary(args.session, with_timeline=True, mixed=args.mixed)
         write_html(args.html, report_html(summary, timeline, args.session))
         return 0
-    print_report(args.session, args.session, args.json)
+    print_report(args.session, args.session, args.json, args.mixed)
     return 0
 
 
@@ -300,8 +309,8 @@ def cmd_compare(args) -> int:
     from kvprof import compare
 
     gates = [compare.parse_gate(g) for g in args.gate]
-    (a, ta), (b, tb) = (load_summary(s, with_timeline=bool(args.html)) if args.html
-                        else (load_summary(s), None) for s in (args.a, args.b))
+    (a, ta), (b, tb) = (load_summary(s, True, args.mixed) if args.html
+                        else (load_summary(s, mixed=args.mixed), None) for s in (args.a, args.b))
     result = compare.compare(a, b, gates)
     if args.html:
         from kvprof.htmlreport import compare_html

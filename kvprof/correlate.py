@@ -33,6 +33,33 @@ NS = 1_000_000_000
 MIN_BIN_SHARE = 0.2
 
 
+def split_mixed(windows: pa.Table) -> pa.Table:
+    """`--mixed split`: each mixed window with token counts becomes a prefill window and a
+    decode window, its time cut by token share (prefill first, as an engine step schedules
+    its prefill chunk before its decode tokens' turn). I/O in it then follows the cut by its
+    issue time, like any other. Mixed windows without counts stay mixed."""
+    cols = {c: windows[c].to_pylist() for c in windows.column_names}
+    out: dict[str, list] = {c: [] for c in cols}
+    for i, phase in enumerate(cols["phase"]):
+        pre = cols["prefill_tokens"][i] or 0 if "prefill_tokens" in cols else 0
+        dec = cols["decode_tokens"][i] or 0 if "decode_tokens" in cols else 0
+        if phase != "mixed" or pre + dec <= 0:
+            for c in cols:
+                out[c].append(cols[c][i])
+            continue
+        s, e = cols["start_ns"][i], cols["end_ns"][i]
+        cut = s + (e - s) * pre // (pre + dec)
+        for part, (a, b) in (("prefill", (s, cut)), ("decode", (cut, e))):
+            if b <= a:
+                continue
+            for c in cols:
+                out[c].append(cols[c][i])
+            out["phase"][-1], out["start_ns"][-1], out["end_ns"][-1] = part, a, b
+            out["prefill_tokens"][-1] = pre if part == "prefill" else 0
+            out["decode_tokens"][-1] = dec if part == "decode" else 0
+    return pa.table({c: pa.array(v, windows.schema.field(c).type) for c, v in out.items()})
+
+
 def flatten(windows: pa.Table, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Disjoint (start, end, phase) pieces covering [t0, t1) exactly, gaps labelled idle."""
     rows = [
@@ -92,13 +119,16 @@ def phase_layer(ph: dict) -> str:
 
 def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
               view: ViewFilter = ViewFilter(), info: SessionInfo | None = None,
-              windows: pa.Table | None = None) -> dict:
+              windows: pa.Table | None = None, mixed: str = "apart") -> dict:
     """The report as a dict; its shape is documented in the README and kept stable.
-    `info`, `windows`: the session row and phase windows when the caller has just read them."""
+    `info`, `windows`: the session row and phase windows when the caller has just read them.
+    `mixed`: "apart" (mixed windows are their own phase) or "split" (`split_mixed`)."""
     info = info or rows.info()
     t0 = info.start_ns if t0 is None else t0
     t1 = info.end_ns if t1 is None else t1
     windows = rows.windows() if windows is None else windows
+    if mixed == "split":
+        windows = split_mixed(windows)
     ws, we, wp = flatten(windows, t0, t1)
     durations = (we - ws).astype(np.float64)
     total_s = max(t1 - t0, 0) / 1e9
@@ -155,7 +185,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
     if (not events or sampling) and exact is not None:
         _from_exact(phases, exact, sampling, weighted)
     _capacity(phases, info.devices)
-    engine = _engine(phases, rows, t0, t1, total_s)
+    engine = _engine(phases, rows, t0, t1, total_s, mixed)
     return {
         "session": {
             "id": info.session_id,
@@ -180,6 +210,8 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             # idle are then the exact section's, percentiles the sample's when `uniform`.
             "event_sampling": sampling,
             "processes": rows.processes(),
+            # "split": mixed windows with token counts cut into prefill and decode.
+            "mixed": mixed,
         },
         "phases": phases,
         "engine": engine,
@@ -338,7 +370,8 @@ def _capacity(phases: dict, devices: list[dict]) -> None:
             dev["capacity_idle_pct"] = ph["block"]["capacity_idle_pct"]
 
 
-def _engine(phases: dict, rows: RowSource, t0: int, t1: int, total_s: float) -> dict:
+def _engine(phases: dict, rows: RowSource, t0: int, t1: int, total_s: float,
+            mixed: str) -> dict:
     """The engines' serving figures over [t0, t1), where their sources give them (None
     otherwise): mean TTFT and inter-token latency, prefix-cache hit share, tokens and the
     throughput they make; and per phase, the tokens its windows counted and their rate."""
@@ -364,8 +397,18 @@ def _engine(phases: dict, rows: RowSource, t0: int, t1: int, total_s: float) -> 
                                "tokens_per_s": None}
     # Several sources count the same tokens (marks and an engine's metrics): per phase, the
     # most exact source that counted any.
-    best: dict[str, tuple[int, float, float]] = {}
+    # With --mixed split, a mixed window's prefill tokens go to prefill, its decode tokens
+    # to decode, as its time does.
+    counted: dict[tuple[str, str], list[float]] = {}
     for p, source, prefill, decode in rows.phase_tokens(t0, t1):
+        parts = ([("prefill", prefill, 0), ("decode", 0, decode)]
+                 if mixed == "split" and p == "mixed" else [(p, prefill, decode)])
+        for q, pre, dec in parts:
+            acc = counted.setdefault((q, source), [0.0, 0.0])
+            acc[0] += pre or 0
+            acc[1] += dec or 0
+    best: dict[str, tuple[int, float, float]] = {}
+    for (p, source), (prefill, decode) in counted.items():
         rank = schema.SOURCE_RANK.get(source, 0)
         if p in phases and (prefill or decode) and rank >= best.get(p, (-1,))[0]:
             best[p] = (rank, prefill, decode)
@@ -533,7 +576,7 @@ def frame(rows: RowSource, window_s: float | None, now_ns: int,
                  devices, processes, len(windows))
 
 
-def timeline(rows: RowSource, nbins: int = 200) -> dict:
+def timeline(rows: RowSource, nbins: int = 200, mixed: str = "apart") -> dict:
     """The whole session over time, for the visual report: `nbins` bins from its start, each
     with the phase covering most of it, per phase the device layers' requests and bytes
     issued in it (as the report attributes them: summed over the bins, they are the report's
@@ -542,7 +585,8 @@ def timeline(rows: RowSource, nbins: int = 200) -> dict:
     t0, t1 = info.start_ns, max(info.end_ns, info.start_ns + 1)
     bin_ns = max(1, math.ceil((t1 - t0) / nbins))
     edges = t0 + np.arange(nbins + 1, dtype=np.int64) * bin_ns
-    ws, we, wp = flatten(rows.windows(), t0, t1)
+    windows = rows.windows()
+    ws, we, wp = flatten(split_mixed(windows) if mixed == "split" else windows, t0, t1)
     covered = _phase_time(ws, we, wp, edges)
     stacked = np.vstack([covered[p] for p in schema.PHASES])
     series: dict = {}

@@ -36,6 +36,8 @@ def to_text(summary: dict, name: str = "") -> str:
         f"{'phase':<9}{'time':>10}{'share':>9}{'time idle':>12}{'capacity idle':>15}",
     ]
     phases = summary["phases"]
+    if s.get("mixed") == "split":
+        lines.insert(-1, "mixed steps split into prefill and decode by token share (--mixed)")
     for p in schema.PHASES:
         ph = phases[p]
         lines.append(f"{p:<9}{ph['time_s']:>9.2f}s{ph['time_share_pct']:>8.1f}%"

@@ -190,7 +190,8 @@ def phase_windows(con: duckdb.DuckDBPyConnection, t0: int | None = None,
     with bounds, only those reaching into [t0, t1): a live view need not read, every frame,
     the thousands of windows an engine marks per minute."""
     where = "" if t0 is None else f" WHERE end_ns > {int(t0)} AND start_ns < {int(t1)}"
-    query = "SELECT start_ns, end_ns, phase, source FROM {}" + where
+    query = ("SELECT start_ns, end_ns, phase, source, prefill_tokens, decode_tokens FROM {}"
+             + where)
     try:
         return con.sql(query.format("phase") + " UNION ALL " +
                        query.format("phase_open")).to_arrow_table()

@@ -6,7 +6,9 @@ import json
 import subprocess
 import time
 
-from tests.conftest import io_limit, live, run_kvprof
+import pytest
+
+from tests.conftest import direct_random_reads, direct_write, io_limit, live, run_kvprof
 
 pytestmark = live
 
@@ -88,3 +90,32 @@ def test_a_throttled_device_is_not_what_limits_the_phase(loopdev, start_recorder
     assert pre["block"]["time_idle_pct"] >= 80
     assert "storage is not what limits them" in f["text"]
     assert ("bandwidth-bound", "prefill") not in got
+
+
+def test_mixed_steps_apart_or_split_by_token_share(loopdev, start_recorder):
+    rec = start_recorder("-d", loopdev)
+    run_kvprof("mark", "mixed", "--prefill-tokens", "300", "--decode-tokens", "100",
+               "--socket", rec.socket)
+    direct_write(loopdev, 8 << 20)
+    time.sleep(0.3)
+    direct_random_reads(loopdev, 500, 8 << 20)
+    run_kvprof("mark", "idle", "--socket", rec.socket)
+    assert rec.stop() == 0
+    apart = json.loads(run_kvprof("report", str(rec.out), "--json").stdout)
+    split = json.loads(run_kvprof("report", str(rec.out), "--json", "--mixed", "split").stdout)
+    assert (apart["session"]["mixed"], split["session"]["mixed"]) == ("apart", "split")
+    mixed = apart["phases"]["mixed"]
+    pre, dec = split["phases"]["prefill"], split["phases"]["decode"]
+    assert apart["phases"]["prefill"]["time_s"] == apart["phases"]["decode"]["time_s"] == 0
+    assert split["phases"]["mixed"]["time_s"] == 0
+    # The window's time cut 300 : 100 (to the nanosecond), prefill first.
+    assert pre["time_s"] + dec["time_s"] == pytest.approx(mixed["time_s"], abs=1e-9)
+    assert pre["time_s"] / mixed["time_s"] == pytest.approx(0.75, abs=1e-6)
+    # Every request of the mixed window lands in one of the two; tokens follow the cut.
+    for op in ("read", "write"):
+        assert pre["block"][op]["ios"] + dec["block"][op]["ios"] == mixed["block"][op]["ios"]
+    assert mixed["block"]["write"]["ios"] > 0 and mixed["block"]["read"]["ios"] == 500
+    assert mixed["engine"]["prefill_tokens"] == 300
+    assert (pre["engine"]["prefill_tokens"], dec["engine"]["decode_tokens"]) == (300, 100)
+    text = run_kvprof("report", str(rec.out), "--mixed", "split").stdout
+    assert "mixed steps split into prefill and decode by token share" in text
