@@ -196,6 +196,9 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             "duration_s": total_s,
             "status": info.status,
             "devices": [d["name"] for d in info.devices],
+            # What the kernel says each device takes and prefers (block sizes, I/O sizes).
+            "device_limits": {d["name"]: d["limits"] for d in info.devices
+                              if d.get("limits")},
             "lost_events": sum(lost.values()),
             "lost_by_reason": lost,
             "phase_sources": ["marks", *(s["source"] for s in info.sources)],

@@ -58,3 +58,24 @@ def resolve(spec: str) -> Device:
             return dev
     names = " ".join(d.name for d in list_devices()) or "(none found in /sys/class/block)"
     raise KvprofError(f"unknown device {spec!r}; block devices here: {names}", EX_USAGE)
+
+
+LIMITS = ("logical_block_size", "physical_block_size", "minimum_io_size", "optimal_io_size",
+          "max_sectors_kb")
+
+
+def queue_limits(dev: Device) -> dict[str, int]:
+    """The request sizes the kernel says the device takes and prefers (a partition: its
+    disk's queue): logical and physical block size, minimum and optimal I/O size, largest
+    request in KiB. Empty where sysfs has none."""
+    node = SYS_BLOCK / dev.name
+    queue = node / "queue"
+    if not queue.exists():
+        queue = node.resolve().parent / "queue"
+    out = {}
+    for name in LIMITS:
+        try:
+            out[name] = int((queue / name).read_text())
+        except (OSError, ValueError):
+            continue
+    return out

@@ -13,6 +13,8 @@ rules (README, "Findings"):
   capacity) while another phase, taking a real share of the time, leaves it mostly idle;
 - **time split**: which phase the time goes to, and what that says about the workload
   (prompt-heavy long contexts, or output-heavy decoding);
+- **small writes**: block writes below the physical block of a drive whose logical block is
+  smaller, which the drive must read and rewrite whole;
 - **prefix cache**: with the engine's prefix-cache hit share, the storage reads a higher hit
   share would remove, if reads scale with misses;
 - **writeback elsewhere**: a phase's buffered writes reaching the device in another phase.
@@ -39,6 +41,8 @@ SPLIT_SHARE_PCT = 30.0
 DOMINANT = 3.0
 # Writeback elsewhere: at least this share of a phase's writeback landed in other phases.
 ELSEWHERE_PCT = 20.0
+# Small writes: at least this share of a phase's block writes below the physical block.
+SMALL_WRITE_PCT = 10.0
 # Prefix cache: the reads this many more points of hit share would remove.
 HIT_STEP_PCT = 10.0
 
@@ -182,6 +186,33 @@ def _time_split(summary: dict) -> list[Finding]:
     return []
 
 
+def _small_writes(summary: dict) -> list[Finding]:
+    """Block writes below the physical block size of a device whose logical block is smaller
+    (a "512e" drive): each makes the device read, patch and rewrite a whole physical block."""
+    limits = summary["session"].get("device_limits") or {}
+    devs = [(name, lim["physical_block_size"]) for name, lim in limits.items()
+            if lim.get("physical_block_size", 0) > lim.get("logical_block_size", 0) > 0]
+    if not devs:
+        return []
+    dev, physical = min(devs, key=lambda d: d[1])
+    out = []
+    for p in schema.PHASES:
+        w = summary["phases"][p]["block"]["write"]
+        small = {b: n for b, n in w["size_hist"].items() if int(b) < physical}
+        if not w["ios"] or 100 * sum(small.values()) / w["ios"] < SMALL_WRITE_PCT:
+            continue
+        share = 100 * sum(small.values()) / w["ios"]
+        out.append(Finding("small-writes", p, (
+            f"{share:.0f} % of {p}'s block writes are smaller than {dev}'s "
+            f"{size_label(physical)} physical block: the device reads and rewrites whole "
+            f"blocks for them (write amplification); write in {size_label(physical)} "
+            "multiples"), {
+                f"phases.{p}.block.write.ios": w["ios"],
+                **{f"phases.{p}.block.write.size_hist.{b}": n for b, n in small.items()},
+                f"session.device_limits.{dev}.physical_block_size": physical}))
+    return out
+
+
 def _prefix_cache(summary: dict) -> list[Finding]:
     hit = (summary.get("engine") or {}).get("prefix_cache_hit_pct")
     dec = summary["phases"]["decode"]
@@ -221,4 +252,4 @@ def findings(summary: dict) -> list[Finding]:
     rules across phases."""
     out = [f for p in schema.PHASES if (f := _phase(p, summary["phases"][p])) is not None]
     return (out + _sized_for_one_phase(summary) + _time_split(summary)
-            + _prefix_cache(summary) + _writeback(summary))
+            + _small_writes(summary) + _prefix_cache(summary) + _writeback(summary))

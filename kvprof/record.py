@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvprof import __version__, caches, calibrate, system
-from kvprof.devices import Device, resolve
+from kvprof.devices import Device, queue_limits, resolve
 from kvprof.errors import EX_UNAVAILABLE, EX_USAGE, KvprofError
 from kvprof.markers import socket_path
 from kvprof.phases import registry
@@ -319,7 +319,8 @@ def _devices_json(devs: tuple[Device, ...]) -> str:
     out = []
     for d in devs:
         key = calibrate.identity(d)["key"]
-        entry = {"name": d.name, "major": d.major, "minor": d.minor, "key": key}
+        entry = {"name": d.name, "major": d.major, "minor": d.minor, "key": key,
+                 "limits": queue_limits(d)}
         found = calibrate.load(key)
         if found is not None:
             entry["calibration"] = found

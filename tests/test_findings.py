@@ -3,12 +3,19 @@ every figure a finding names equals the report's own value at that path."""
 from __future__ import annotations
 
 import json
+import mmap
+import os
+import signal
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import direct_random_reads, direct_write, io_limit, live, run_kvprof
+from kvprof.devices import by_number, queue_limits
+from tests.conftest import (KVPROF, direct_random_reads, direct_write, io_limit, live,
+                            run_kvprof)
 
 pytestmark = live
 
@@ -119,3 +126,46 @@ def test_mixed_steps_apart_or_split_by_token_share(loopdev, start_recorder):
     assert (pre["engine"]["prefill_tokens"], dec["engine"]["decode_tokens"]) == (300, 100)
     text = run_kvprof("report", str(rec.out), "--mixed", "split").stdout
     assert "mixed steps split into prefill and decode by token share" in text
+
+
+def test_writes_below_the_physical_block_of_a_512e_drive():
+    """On the disk under /var/tmp when it is a "512e" drive (4 KiB physical, 512 B logical
+    blocks, as this machine's virtio disk): O_DIRECT 512-byte writes into a file there."""
+    st = os.stat("/var/tmp")
+    dev = by_number(os.major(st.st_dev), os.minor(st.st_dev))
+    lim = queue_limits(dev)
+    if not lim.get("physical_block_size", 0) > lim.get("logical_block_size", 0) > 0:
+        pytest.skip(f"/var/tmp is on {dev.name}, not a 512e drive ({lim})")
+    path = f"/var/tmp/kvprof-small-writes-{os.getpid()}"
+    with open(path, "wb") as f:
+        f.write(os.urandom(1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+    buf = mmap.mmap(-1, 4096)
+    try:
+        out = Path(tempfile.mkdtemp(prefix="kvprof-512e-"))
+        rec = subprocess.Popen([*KVPROF, "record", "-d", dev.name, "-o", str(out / "s"),
+                                "--socket", str(out / "m.sock"), "--event-rate", "0"],
+                               stderr=subprocess.PIPE, text=True)
+        for line in rec.stderr:
+            if "Hit Ctrl-C" in line:
+                break
+        run_kvprof("mark", "prefill", "--socket", str(out / "m.sock"))
+        fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        try:
+            for i in range(1000):
+                os.pwrite(fd, memoryview(buf)[:512], 512 * (2 * (i % 1024) + 1))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        run_kvprof("mark", "idle", "--socket", str(out / "m.sock"))
+        rec.send_signal(signal.SIGINT)
+        rec.communicate(timeout=60)
+        report = json.loads(run_kvprof("report", str(out / "s"), "--json").stdout)
+    finally:
+        os.unlink(path)
+    assert report["session"]["device_limits"][dev.name] == lim
+    got = found(report)
+    f = got[("small-writes", "prefill")]
+    assert report["phases"]["prefill"]["block"]["write"]["size_hist"]["512"] >= 1000
+    assert f["text"].endswith("write in 4K multiples")
