@@ -122,6 +122,12 @@ def test_engine_figures_are_what_the_engine_measured(loopdev, start_recorder):
     assert pre["engine"]["tokens_per_s"] == pytest.approx(REQUESTS * PROMPT / pre["time_s"])
     text = run_kvprof("report", str(out)).stdout
     assert "TTFT" in text and "prefix-cache hit 25.0 %" in text
+    # The prefix-cache finding: decode's reads, scaled by the misses 10 more points remove.
+    f = next(f for f in report["findings"] if f["rule"] == "prefix-cache")
+    read = report["phases"]["decode"]["block"]["read"]["bytes"]
+    assert f["figures"] == {"engine.prefix_cache_hit_pct": eng["prefix_cache_hit_pct"],
+                            "phases.decode.block.read.bytes": read}
+    assert f["text"].startswith("prefix-cache hit 25 %: if decode's storage reads scale")
     # The dashboard's frame of the whole session says the same.
     con = open_session(out)
     try:
