@@ -352,3 +352,20 @@ def test_record_with_nvml_source_stores_gpu_rows_and_windows(sim_lib, tmp_path):
     session = json.loads(rep.stdout)["session"]
     assert "nvml" in session["phase_sources"]
     assert session["source_problems"]["nvml"]["nvml.gpu_lost"] == 1
+    # The visual report plots GPU activity over time: each bin the mean of the samples in it.
+    html = tmp_path / "r.html"
+    subprocess.run([sys.executable, "-m", "kvprof", "report", str(out), "--html", str(html)],
+                   capture_output=True, text=True, check=True)
+    from tests.test_html import figures
+
+    timeline = figures(html.read_text())["timeline"]
+    util = next(t for t in timeline["data"] if t["name"] == "GPU util")
+    start, end = con.execute("SELECT start_ns, end_ns FROM session").fetchall()[0]
+    bin_ns = -(-(end - start) // len(util["y"]))
+    want = dict(con.execute("""
+        SELECT (ts_ns - ?) // ?, avg(gpu_util_pct) FROM gpu
+        WHERE ts_ns >= ? AND ts_ns < ? GROUP BY ALL""",
+                            [start, bin_ns, start, start + bin_ns * len(util["y"])]).fetchall())
+    got = {i: v for i, v in enumerate(util["y"]) if v is not None}
+    assert got.keys() == want.keys() and len(got) > 10
+    assert all(got[i] == pytest.approx(want[i]) for i in got)
