@@ -69,6 +69,9 @@ def _record_args(p: argparse.ArgumentParser) -> None:
                    help="label files whose path matches GLOB as KV cache NAME (repeatable; "
                         "before the built-in lmcache-disk, vllm-fs-tier, vllm-disk-offload, "
                         "sglang-hicache rules)")
+    p.add_argument("--prometheus", metavar="[ADDR:]PORT",
+                   help="serve the exact per-phase totals as Prometheus metrics on this port "
+                        "(/metrics; all addresses unless ADDR is given, e.g. 127.0.0.1:9464)")
     p.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -225,7 +228,8 @@ def cmd_record(args) -> int:
                          cgroups=args.cgroup, layers=_layers(args),
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
                          caches=args.caches, events=args.events, max_size=args.max_size,
-                         event_rate=args.event_rate, roll=args.roll)
+                         event_rate=args.event_rate, roll=args.roll,
+                         prometheus=args.prometheus)
     if args.ebpf:
         from kvprof.capture.ebpf import build_program
 
@@ -256,7 +260,7 @@ def cmd_top(args) -> int:
                          cgroups=args.cgroup, layers=_layers(args),
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
                          caches=args.caches, max_size=args.max_size,
-                         event_rate=args.event_rate)
+                         event_rate=args.event_rate, prometheus=args.prometheus)
     return run_live(opts, interval_s=args.interval)
 
 

@@ -54,6 +54,8 @@ class RecordOptions:
     # Device-layer rows a second the event tier keeps before it samples (--event-rate); 0:
     # every one.
     event_rate: int = 50_000
+    # [ADDR:]PORT to serve the exact totals as Prometheus metrics on (--prometheus).
+    prometheus: str | None = None
 
 
 def default_out() -> Path:
@@ -127,11 +129,20 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
     # Claim the marker socket first: a second recorder on the same socket fails before it
     # leaves an empty session behind.
     marks = MarkServer(socket_path(opts.socket))
+    exporter = None
     fresh_dir = not out.exists()
     try:
+        if opts.prometheus is not None:
+            # Bound before anything attaches: a taken port fails without leaving a session.
+            from kvprof.exporter import Exporter
+
+            exporter = Exporter({})
+            exporter.serve(opts.prometheus)
         store = Store.create(out)
     except BaseException:
         marks.stop(time.monotonic_ns())
+        if exporter is not None:
+            exporter.close()
         raise
     capture = None
     sources: list = []
@@ -187,6 +198,12 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         if filters.tgids or filters.cgroup_ids:
             where.append(", ".join([*(f"pid {t}" for t in filters.tgids),
                                     *(f"cgroup {c}" for c in opts.cgroups)]))
+        if exporter is not None:
+            exporter.info = {"version": __version__, "kernel": row["kernel"],
+                             "host": row["host"], "session": row["session_id"]}
+            exporter.start_ns = start_ns
+            log(f"Prometheus metrics on http://{opts.prometheus.rpartition(':')[0] or '*'}:"
+                f"{exporter.port}/metrics")
         log(f"Tracing {'+'.join(opts.layers)} I/O on {'; '.join(where) or 'all processes'}; "
             f"marks on {marks.path}; session {out}. Hit Ctrl-C to end.")
         feeds = (marks, *(s for _, s in sources))
@@ -205,7 +222,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 timeout = min(timeout, max(0.0, deadline - time.monotonic()))
             if stop.wait(timeout) or (deadline is not None and time.monotonic() >= deadline):
                 break
-            now = _drain(store, capture, feeds, sampler)
+            now = _drain(store, capture, feeds, sampler, exporter)
             flushes += 1
             row["end_ns"] = now
             if opts.roll is not None and \
@@ -228,7 +245,10 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                     "ending the recording")
                 break
             if flushes % LOST_EVERY == 0:  # live views show losses while they happen
-                row.update(lost=json.dumps(capture.lost() | marks.counts()))
+                lost = capture.lost() | marks.counts()
+                if exporter is not None:
+                    exporter.lost(lost)
+                row.update(lost=json.dumps(lost))
                 write_row()
             else:
                 store.mark_end(now)
@@ -236,7 +256,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         end_ns = time.monotonic_ns()
         for src in feeds:
             src.stop(end_ns)
-        _drain(store, capture, feeds, sampler, closed=True)
+        _drain(store, capture, feeds, sampler, exporter, closed=True)
         lost = capture.lost() | marks.counts()
         row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
                    sources=json.dumps([{"source": str(sp), **_status(src)}
@@ -257,6 +277,8 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 src.stop(time.monotonic_ns())
         if store is not None:
             store.close()
+        if exporter is not None:
+            exporter.close()
         flag.restore()
         if capture is None:
             # The probes never attached: there is nothing to keep, only an empty store.
@@ -265,22 +287,31 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 shutil.rmtree(out, ignore_errors=True)
 
 
-def _drain(store: Store, capture, feeds: tuple, sampler: Sampler,
+def _drain(store: Store, capture, feeds: tuple, sampler: Sampler, exporter=None,
            closed: bool = False) -> int:
-    """Move what capture and the phase sources collected into the store; return the time
-    the open windows were cut at. `closed`: the sources have stopped, no window is open."""
+    """Move what capture and the phase sources collected into the store (and the Prometheus
+    exporter's totals); return the time the open windows were cut at. `closed`: the sources
+    have stopped, no window is open."""
+    def keep(table: str, rows) -> None:
+        store.append(table, rows)
+        if exporter is not None:
+            exporter.rows(table, rows)
+
     taken = capture.take()
     for table, rows in taken.items():
-        store.append(table, rows)
+        keep(table, rows)
     if not closed:
         # Every take, rows or none: a quiet device must lower the rate too.
         store.append("event_sampling", sampler.saw(taken.get("io")))
     for src in feeds:
         for table, rows in src.take().items():
-            store.append(table, rows)
+            keep(table, rows)
     now = time.monotonic_ns()
     # Open windows are rewritten at every flush so live views see the phase in progress.
-    store.replace_open_windows([] if closed else [r for src in feeds for r in src.open_rows(now)])
+    opened = [] if closed else [r for src in feeds for r in src.open_rows(now)]
+    store.replace_open_windows(opened)
+    if exporter is not None:
+        exporter.open_windows(opened, now)
     return now
 
 

@@ -43,6 +43,8 @@ RULES = (
          exempt=("kvprof.capture.nvml",)),
     Rule("plotly only in the visual report", forbid=("plotly",),
          exempt=("kvprof.htmlreport",)),
+    Rule("prometheus_client only in the exporter", forbid=("prometheus_client",),
+         exempt=("kvprof.exporter",)),
     # Views show what correlate computed: no queries, no number crunching of their own.
     Rule("views never import duckdb", forbid=("duckdb",), applies_to=VIEWS),
     Rule("views compute nothing themselves", forbid=("numpy", "kvprof.iocache",

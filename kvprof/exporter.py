@@ -1,0 +1,215 @@
+"""`record --prometheus [ADDR:]PORT`: the recording's exact totals as Prometheus metrics.
+
+A consumer of the rows the recorder stores, like the store itself: each drain hands it the
+aggregate tier's seconds (io_agg, device_busy), the closed and open phase windows and the
+loss counts; it keeps running totals in memory and renders them when scraped. Totals never
+go down while the recorder runs (old segments pruned by --max-size take nothing away), and
+they equal the report's `exact` section of the same session.
+
+Labels are bounded: phase (4), op, layer (block, io_uring), device, phase source and loss
+reason; never a pid, a file or a path.
+
+    kvprof_io_bytes_total{phase,op,layer,device}        counter
+    kvprof_io_ops_total{phase,op,layer,device}          counter
+    kvprof_io_latency_seconds{phase,op,layer,device}    histogram (device service time;
+                                                        log2 buckets, exact from the kernel)
+    kvprof_device_busy_seconds_total{phase,device}      counter
+    kvprof_phase_seconds_total{phase,source}            counter (windows of each source)
+    kvprof_storage_idle_ratio{phase,device}             gauge (1 - busy / phase time)
+    kvprof_events_lost_total{reason}                    counter
+    kvprof_build_info{version,kernel,host,session}      gauge, 1
+
+The phase of the io and busy series is the one kvprof had been told by marks or hooks when
+the request was issued (the kernel's phase, as in `exact`); the idle ratio divides by that
+phase's time (marks and hooks windows, the rest of the session being idle).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import pyarrow as pa
+from prometheus_client import start_http_server
+from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
+
+from kvprof import schema
+from kvprof.errors import EX_USAGE, KvprofError
+
+# Latency buckets: the kernel's log2 slots of service time (slot i holds [2^(i-1), 2^i) ns),
+# from 1 µs up; each bucket's bound is its slot's upper end, so every count is exact.
+FIRST_SLOT = 10
+KERNEL_PHASE_SOURCES = ("manual", "hook")
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """`PORT` (all addresses) or `ADDR:PORT`, `[v6]:PORT`."""
+    addr, _, port = text.rpartition(":")
+    addr = addr.strip("[]") or "0.0.0.0"
+    try:
+        n = int(port)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise KvprofError(f"--prometheus {text!r}: expected PORT or ADDR:PORT", EX_USAGE)
+    return addr, n
+
+
+class Exporter:
+    """Running totals of one recording, rendered at each scrape."""
+
+    def __init__(self, info: dict):
+        self.info = info  # version, kernel, host, session
+        self._lock = threading.Lock()
+        self._io: dict[tuple, list] = {}  # (phase, op, layer, dev) -> [ios, bytes, ns, hist]
+        self._busy: dict[tuple[str, str], int] = {}  # (phase, dev) -> ns
+        self._closed: dict[tuple[str, str], int] = {}  # (phase, source) -> ns of closed windows
+        self._open: dict[tuple[str, str], int] = {}  # the same of the open ones, last cut
+        self._lost: dict[str, int] = {}
+        self.start_ns = time.monotonic_ns()
+        self._now_ns = self.start_ns
+        self.server = None
+        self.port = 0
+
+    def serve(self, listen: str) -> None:
+        addr, port = parse_listen(listen)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        try:
+            self.server, _ = start_http_server(port, addr=addr, registry=registry)
+        except OSError as e:
+            raise KvprofError(f"--prometheus {listen}: {e.strerror}", EX_USAGE) from None
+        self.port = self.server.server_port
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    # -- fed by the recorder -------------------------------------------------------------------
+    def rows(self, table: str, rows) -> None:
+        if table == "io_agg":
+            self._agg(rows)
+        elif table == "device_busy":
+            cols = pa.table(rows) if isinstance(rows, pa.RecordBatch) else rows
+            with self._lock:
+                for p, dev, ns in zip(*(_col(cols, c) for c in ("phase", "dev_name",
+                                                                 "busy_ns"))):
+                    key = (p, dev)
+                    self._busy[key] = self._busy.get(key, 0) + int(ns)
+        elif table == "phase":
+            with self._lock:
+                for r in _records(rows):
+                    key = (r["phase"], r["source"])
+                    self._closed[key] = self._closed.get(key, 0) + r["end_ns"] - r["start_ns"]
+
+    def open_windows(self, rows: list[dict], now_ns: int) -> None:
+        opened: dict[tuple[str, str], int] = {}
+        for r in rows:
+            key = (r["phase"], r["source"])
+            opened[key] = opened.get(key, 0) + r["end_ns"] - r["start_ns"]
+        with self._lock:
+            self._open = opened
+            self._now_ns = now_ns
+
+    def lost(self, counts: dict[str, int]) -> None:
+        with self._lock:
+            self._lost = dict(counts)
+
+    def _agg(self, rows) -> None:
+        cols = pa.table(rows) if isinstance(rows, pa.RecordBatch) else rows
+        names = ("phase", "op", "layer", "dev_name", "ios", "bytes", "service_ns",
+                 "service_hist")
+        with self._lock:
+            for p, op, layer, dev, ios, nbytes, ns, hist in zip(*(_col(cols, c)
+                                                                  for c in names)):
+                acc = self._io.setdefault((p, op, layer, dev or ""), [0, 0, 0, None])
+                acc[0] += int(ios)
+                acc[1] += int(nbytes)
+                acc[2] += int(ns)
+                hist = list(hist or [])
+                if acc[3] is None:
+                    acc[3] = hist
+                else:
+                    if len(hist) > len(acc[3]):
+                        acc[3] += [0] * (len(hist) - len(acc[3]))
+                    for i, n in enumerate(hist):
+                        acc[3][i] += int(n)
+
+    # -- scraped -----------------------------------------------------------------------------
+    def collect(self):
+        with self._lock:
+            io = {k: (v[0], v[1], v[2], list(v[3] or [])) for k, v in self._io.items()}
+            busy, lost = dict(self._busy), dict(self._lost)
+            phase_ns = {k: self._closed.get(k, 0) + self._open.get(k, 0)
+                        for k in set(self._closed) | set(self._open)}
+            elapsed = max(0, self._now_ns - self.start_ns)
+        labels = ["phase", "op", "layer", "device"]
+        nbytes = CounterMetricFamily("kvprof_io_bytes", "Bytes of block and io_uring requests "
+                                     "completed, per phase at issue (exact, in-kernel)",
+                                     labels=labels)
+        ops = CounterMetricFamily("kvprof_io_ops", "Block and io_uring requests completed, per "
+                                  "phase at issue (exact, in-kernel)", labels=labels)
+        lat = HistogramMetricFamily("kvprof_io_latency_seconds", "Device service time of the "
+                                    "requests (block: issue to completion; io_uring: submit to "
+                                    "completion), from the kernel's log2 histogram",
+                                    labels=labels)
+        for (p, op, layer, dev), (n, b, ns, hist) in sorted(io.items()):
+            key = [p, op, layer, dev]
+            nbytes.add_metric(key, b)
+            ops.add_metric(key, n)
+            lat.add_metric(key, _buckets(hist, n), sum_value=ns / 1e9)
+        yield from (nbytes, ops, lat)
+        b = CounterMetricFamily("kvprof_device_busy_seconds", "Time each block device had a "
+                                "request in flight, per phase", labels=["phase", "device"])
+        for (p, dev), ns in sorted(busy.items()):
+            b.add_metric([p, dev], ns / 1e9)
+        yield b
+        ps = CounterMetricFamily("kvprof_phase_seconds", "Time in each phase, by the source "
+                                 "that saw it", labels=["phase", "source"])
+        for (p, src), ns in sorted(phase_ns.items()):
+            ps.add_metric([p, src], ns / 1e9)
+        yield ps
+        # The kernel's phase time: marks and hooks windows, the rest of the session idle.
+        kernel = {p: sum(ns for (q, src), ns in phase_ns.items()
+                         if q == p and src in KERNEL_PHASE_SOURCES) for p in schema.PHASES}
+        kernel["idle"] += max(0, elapsed - sum(kernel.values()))
+        idle = GaugeMetricFamily("kvprof_storage_idle_ratio", "Share of the phase's time with "
+                                 "no block request in flight on the device",
+                                 labels=["phase", "device"])
+        for dev in sorted({d for _, d in busy}):
+            for p in schema.PHASES:
+                if kernel[p] > 0:
+                    idle.add_metric([p, dev], max(0.0, 1 - busy.get((p, dev), 0) / kernel[p]))
+        yield idle
+        lo = CounterMetricFamily("kvprof_events_lost", "Events kvprof could not record, by "
+                                 "reason", labels=["reason"])
+        for reason, n in sorted(lost.items()):
+            lo.add_metric([reason], n)
+        yield lo
+        info = GaugeMetricFamily("kvprof_build_info", "kvprof's version and the host and "
+                                 "session it records", labels=list(self.info))
+        info.add_metric(list(self.info.values()), 1)
+        yield info
+
+
+def _buckets(hist: list[int], total: int) -> list[tuple[str, float]]:
+    """Cumulative (le, count) pairs from log2 slots: slot i counts values below 2^i ns."""
+    out, cum = [], 0
+    for i, n in enumerate(hist):
+        cum += int(n)
+        if i >= FIRST_SLOT:
+            out.append((repr((1 << i) / 1e9), cum))
+    out.append(("+Inf", total))
+    return out
+
+
+def _col(table, name: str) -> list:
+    return table.column(name).to_pylist()
+
+
+def _records(rows) -> list[dict]:
+    if isinstance(rows, (pa.Table, pa.RecordBatch)):
+        return rows.to_pylist()
+    return list(rows)
