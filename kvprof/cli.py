@@ -162,8 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of recording")
     p.add_argument("--interval", type=float, default=0.5, help="refresh interval in seconds")
 
-    p = sub.add_parser("report", help="per-phase storage numbers of a recorded session")
-    p.add_argument("session", help="session directory (or its session.duckdb)")
+    p = sub.add_parser("report", help="per-phase storage numbers of a recorded session (or of "
+                                      "a fleet's export: --parquet DIR)")
+    p.add_argument("session", nargs="?", help="session directory (or its session.duckdb)")
+    p.add_argument("--parquet", metavar="DIR",
+                   help="report across every session (and host) exported into DIR with "
+                        "kvprof export --hive")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--html", metavar="FILE",
                    help="write the visual report (timeline, histograms, idle, findings) as one "
@@ -187,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a session's tables as Parquet")
     p.add_argument("session")
     p.add_argument("--parquet", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--hive", action="store_true",
+                   help="fleet layout: DIR/table=T/host=H/date=D/session=S/data.parquet, for "
+                        "many hosts writing into one directory or bucket")
+    p.add_argument("--host", help="the host name to file the session under (default: the "
+                                  "recording host's)")
 
     p = sub.add_parser("mark", help="send a phase mark to a running recorder")
     p.add_argument("phase", choices=("prefill", "decode", "mixed", "idle"))
@@ -299,6 +308,18 @@ def print_report(session: str | Path, name: str, as_json: bool, mixed: str = "ap
 
 
 def cmd_report(args) -> int:
+    if args.parquet:
+        from kvprof import fleet
+
+        if args.session or args.html:
+            raise KvprofError("report --parquet DIR reports a fleet export: no SESSION, no "
+                              "--html", EX_USAGE)
+        summary = fleet.fleet_summary(args.parquet)
+        sys.stdout.write(json.dumps(summary, indent=2) + "\n" if args.json
+                         else fleet.to_text(summary))
+        return 0
+    if not args.session:
+        raise KvprofError("report needs a SESSION (or --parquet DIR)", EX_USAGE)
     if args.html:
         from kvprof.htmlreport import report_html
 
@@ -330,9 +351,11 @@ def cmd_export(args) -> int:
     from kvprof.export import export_parquet
     from kvprof.store import open_session
 
+    if args.host and not args.hive:
+        raise KvprofError("--host files a session in the fleet layout: add --hive", EX_USAGE)
     con = open_session(args.session)
     try:
-        for path in export_parquet(con, args.parquet):
+        for path in export_parquet(con, args.parquet, hive=args.hive, host=args.host):
             print(path)
     finally:
         con.close()

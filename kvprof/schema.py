@@ -271,6 +271,11 @@ DEVICE_BUSY = pa.schema(
     ]
 )
 
+# The layout of the tables above, written into every Parquet export (its key-value metadata
+# `kvprof.schema_version`). Raised when a table or column is added; readers take older
+# versions (missing tables empty, missing columns NULL).
+SCHEMA_VERSION = 12
+
 # Every session has these; the others came later and are absent from older recordings.
 CORE_TABLES = ("io", "phase", "session")
 

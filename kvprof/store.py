@@ -304,19 +304,27 @@ def open_replay(source: str | Path) -> duckdb.DuckDBPyConnection:
             # session is replayed from tables in memory.
             return _open_segments(parts, "TABLE")
         return open_session(source)
+    return load_parquet({name: p / f"{name}.parquet" for name in schema.TABLES},
+                        f"{p} is not a readable kvprof Parquet export")
+
+
+def load_parquet(files: dict[str, Path], what: str) -> duckdb.DuckDBPyConnection:
+    """One session's tables from Parquet files (a table whose file is absent: empty) in an
+    in-memory DuckDB under the store's names. A file written by an older kvprof lacks later
+    columns: they read as NULL."""
     con = duckdb.connect(":memory:")
     try:
         for name in schema.TABLES:
-            f = p / f"{name}.parquet"
-            if f.exists():
+            f = files.get(name)
+            if f is not None and f.exists():
                 literal = "'" + str(f).replace("'", "''") + "'"
                 con.execute(f"CREATE TABLE {name} AS SELECT * FROM read_parquet({literal})")
             else:
                 con.execute(schema.duckdb_ddl(name))
-        # An export of a session recorded before later io columns: they read as NULL.
-        for col in missing_columns(con, "io"):
-            con.execute(f'ALTER TABLE io ADD COLUMN "{col}" {schema.duck_type("io", col)}')
+            for col in missing_columns(con, name):
+                con.execute(f'ALTER TABLE {name} ADD COLUMN "{col}" '
+                            f'{schema.duck_type(name, col)}')
     except duckdb.Error as e:
         con.close()
-        raise _unreadable(e, f"{p} is not a readable kvprof Parquet export") from None
+        raise _unreadable(e, what) from None
     return con
