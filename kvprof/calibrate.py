@@ -328,12 +328,17 @@ def calibrate(spec: str, runtime_s: float = 5.0, size: int = 1 << 30, force: boo
 
 
 def save(result: dict, store: Path | None = None) -> Path | None:
-    """Keep the result for the device's later sessions (not for a target with no device)."""
+    """Keep the result for the device's later sessions (not for a target with no device);
+    patterns measured before and not in this run are kept."""
     if not result.get("key"):
         return None
     store = store or default_store()
     store.mkdir(parents=True, exist_ok=True)
     path = store_path(store, result["key"])
+    kept = load(result["key"], store)
+    if kept is not None:
+        # A run of some patterns updates those and keeps the others measured before.
+        result = {**result, "patterns": {**kept["patterns"], **result["patterns"]}}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(path)
