@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvprof import __version__
 from kvprof.calibrate import BY_NAME as PATTERNS
-from kvprof.errors import EX_SOFTWARE, EX_USAGE, KvprofError
+from kvprof.errors import EX_DATAERR, EX_NOPERM, EX_SOFTWARE, EX_USAGE, KvprofError
 
 EXAMPLES = """examples:
   sudo kvprof demo                       # built-in KV-offload workload on a private loop device
@@ -59,6 +59,15 @@ def _record_args(p: argparse.ArgumentParser) -> None:
                         "every one (default: 50000)")
     p.add_argument("--socket", help="marker socket path (default: $KVPROF_SOCKET or "
                                     "/run/kvprof/marks.sock)")
+    p.add_argument("--socket-mode", type=_mode, default=0o660, metavar="MODE",
+                   help="the marker socket's permissions, octal (default 0660: its owner and "
+                        "group only; 0666 lets every local user steer the session)")
+    p.add_argument("--socket-group", metavar="GROUP",
+                   help="the marker socket's group: the serving engine's, when it runs as "
+                        "another user (default: the recorder's)")
+    p.add_argument("--allow-sender", action="append", default=[], metavar="USER",
+                   help="take marks only from this user (name or uid; repeatable; root "
+                        "always): the kernel vouches for each sender")
     p.add_argument("--phases", dest="phase_sources", action="append", default=[],
                    metavar="SOURCE[=TARGET]",
                    help="phase source, repeatable: marks, vllm-plugin, vllm-metrics=URL, "
@@ -121,6 +130,16 @@ def _mixed_arg(p: argparse.ArgumentParser) -> None:
                    help="mixed engine steps (chunked prefill): their own phase (apart, the "
                         "default), or each mixed window cut into prefill and decode by its "
                         "token share (split)")
+
+
+def _mode(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"not an octal mode: {text!r}")
+    return mode
 
 
 def _count(text: str) -> int:
@@ -238,7 +257,8 @@ def cmd_record(args) -> int:
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
                          caches=args.caches, events=args.events, max_size=args.max_size,
                          event_rate=args.event_rate, roll=args.roll,
-                         prometheus=args.prometheus)
+                         prometheus=args.prometheus, socket_mode=args.socket_mode,
+                         socket_group=args.socket_group, allow_senders=args.allow_sender)
     if args.ebpf:
         from kvprof.capture.ebpf import build_program
 
@@ -269,7 +289,9 @@ def cmd_top(args) -> int:
                          cgroups=args.cgroup, layers=_layers(args),
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
                          caches=args.caches, max_size=args.max_size,
-                         event_rate=args.event_rate, prometheus=args.prometheus)
+                         event_rate=args.event_rate, prometheus=args.prometheus,
+                         socket_mode=args.socket_mode, socket_group=args.socket_group,
+                         allow_senders=args.allow_sender)
     return run_live(opts, interval_s=args.interval)
 
 
@@ -280,11 +302,18 @@ def load_summary(session: str | Path, with_timeline: bool = False, mixed: str = 
     from kvprof.rowsource import SqlRows
     from kvprof.store import open_session
 
+    import duckdb
+
     con = open_session(session)
     try:
         rows = SqlRows(con)
         summary = summarize(rows, mixed=mixed)
         return (summary, timeline(rows, mixed=mixed)) if with_timeline else summary
+    except duckdb.Error as e:
+        # Opened, but its data is damaged (a file cut short, a disk error).
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise KvprofError(f"{session}: the session's data is damaged: {first}",
+                          EX_DATAERR) from None
     finally:
         con.close()
 
@@ -353,10 +382,16 @@ def cmd_export(args) -> int:
 
     if args.host and not args.hive:
         raise KvprofError("--host files a session in the fleet layout: add --hive", EX_USAGE)
+    import duckdb
+
     con = open_session(args.session)
     try:
         for path in export_parquet(con, args.parquet, hive=args.hive, host=args.host):
             print(path)
+    except duckdb.Error as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise KvprofError(f"{args.session}: the session's data is damaged: {first}",
+                          EX_DATAERR) from None
     finally:
         con.close()
     return 0
@@ -365,9 +400,15 @@ def cmd_export(args) -> int:
 def cmd_mark(args) -> int:
     from kvprof.markers import Marker
 
+    import errno
+
     m = Marker(args.socket, engine=args.engine)
     if not m.mark(args.phase, prefill_tokens=args.prefill_tokens,
                   decode_tokens=args.decode_tokens):
+        if m.last_error in (errno.EACCES, errno.EPERM):
+            raise KvprofError(f"permission denied on the marker socket {m.path} (the recorder's "
+                              "--socket-group or --socket-mode decides who may send)",
+                              EX_NOPERM)
         # A shell script should learn that nobody listened, without failing hard.
         print(f"kvprof: no recorder listening on {m.path}", file=sys.stderr)
         return 1

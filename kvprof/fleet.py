@@ -79,9 +79,13 @@ def fleet_summary(root: str | Path) -> dict:
     for host, date, sid in found:
         files = {t: root / f"table={t}" / f"host={host}" / f"date={date}" / f"session={sid}"
                  / "data.parquet" for t in schema.TABLES}
-        con = load_parquet(files, f"{root}: session {sid} of {host} is not readable")
+        what = f"{root}: session {sid} of {host} is not readable"
+        con = load_parquet(files, what)
         try:
             summary = summarize(SqlRows(con))
+        except duckdb.Error as e:
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            raise KvprofError(f"{what}: {first}", EX_DATAERR) from None
         finally:
             con.close()
         listed.append({"host": host, "date": date, "session": sid,

@@ -52,6 +52,7 @@ class Marker:
         self.source = source
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self.last_error: int | None = None  # errno of the last send that failed
 
     def _send(self, msg: dict) -> bool:
         data = json.dumps(msg, separators=(",", ":")).encode()
@@ -61,8 +62,10 @@ class Marker:
                     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                     self._sock.setblocking(False)
                 self._sock.sendto(data, self.path)
+                self.last_error = None
                 return True
-            except OSError:
+            except OSError as e:
+                self.last_error = e.errno
                 # No listener, socket buffer full, or permission denied: the caller is an
                 # inference server and must never stall or fail because of profiling.
                 return False

@@ -1,6 +1,7 @@
 """`kvprof record`: capture + phase marks -> session store, until Ctrl-C, SIGTERM or --duration."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -17,9 +18,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import duckdb
+
 from kvprof import __version__, caches, calibrate, system
 from kvprof.devices import Device, queue_limits, resolve
-from kvprof.errors import EX_UNAVAILABLE, EX_USAGE, KvprofError
+from kvprof.errors import EX_IOERR, EX_UNAVAILABLE, EX_USAGE, KvprofError
 from kvprof.markers import socket_path
 from kvprof.phases import registry
 from kvprof.sampling import Sampler
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
     from kvprof.capture.ebpf import CaptureFilter
 
 FLUSH_INTERVAL_S = 0.25
+RESERVE_BYTES = 4 << 20
 LOST_EVERY = 4  # flushes between updates of the session row's loss counts
 
 
@@ -56,6 +60,11 @@ class RecordOptions:
     event_rate: int = 50_000
     # [ADDR:]PORT to serve the exact totals as Prometheus metrics on (--prometheus).
     prometheus: str | None = None
+    # The marker socket's permissions (--socket-mode, --socket-group) and the users whose
+    # marks are taken (--allow-sender; empty: whoever the permissions let send).
+    socket_mode: int = 0o660
+    socket_group: str | None = None
+    allow_senders: list[str] = field(default_factory=list)
 
 
 def default_out() -> Path:
@@ -119,7 +128,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
 
     from kvprof.capture.bccload import bcc_version
     from kvprof.capture.ebpf import Capture
-    from kvprof.phases.marks import MarkServer
+    from kvprof.phases.marks import MarkServer, group_id, user_id
 
     flag = StopFlag()
     if stop is None:
@@ -128,7 +137,9 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
     out = Path(opts.out) if opts.out else default_out()
     # Claim the marker socket first: a second recorder on the same socket fails before it
     # leaves an empty session behind.
-    marks = MarkServer(socket_path(opts.socket))
+    marks = MarkServer(socket_path(opts.socket), opts.socket_mode,
+                       None if opts.socket_group is None else group_id(opts.socket_group),
+                       tuple(user_id(u) for u in opts.allow_senders))
     exporter = None
     fresh_dir = not out.exists()
     try:
@@ -216,53 +227,65 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             store.write_session({**row, "start_ns": segment_start,
                                  "start_wall_ns": segment_start + offset})
 
-        while not stop.is_set():
-            timeout = FLUSH_INTERVAL_S
-            if deadline is not None:
-                timeout = min(timeout, max(0.0, deadline - time.monotonic()))
-            if stop.wait(timeout) or (deadline is not None and time.monotonic() >= deadline):
-                break
-            now = _drain(store, capture, feeds, sampler, exporter)
-            flushes += 1
-            row["end_ns"] = now
-            if opts.roll is not None and \
-                    _disk_bytes(out, segment_path(out, segment)) >= opts.roll:
-                row.update(lost=json.dumps(capture.lost() | marks.counts()))
-                write_row()
-                store.close()
-                store = None
-                segment, segment_start = segment + 1, now
-                store = Store.create(out, segment)
-                write_row()
-                if sampler.max_rate:
-                    store.append("event_sampling", sampling_row(now, sampler.shift))
-                if opts.max_size is not None:
-                    _prune(out, opts.max_size, log)
-                continue
-            if opts.roll is None and opts.max_size is not None and \
-                    _disk_bytes(out) >= opts.max_size:
-                log(f"kvprof: the session reached --max-size ({opts.max_size >> 20} MiB); "
-                    "ending the recording")
-                break
-            if flushes % LOST_EVERY == 0:  # live views show losses while they happen
-                lost = capture.lost() | marks.counts()
-                if exporter is not None:
-                    exporter.lost(lost)
-                row.update(lost=json.dumps(lost))
-                write_row()
-            else:
-                store.mark_end(now)
-        capture.stop()
-        end_ns = time.monotonic_ns()
-        for src in feeds:
-            src.stop(end_ns)
-        _drain(store, capture, feeds, sampler, exporter, closed=True)
-        lost = capture.lost() | marks.counts()
-        row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
-                   sources=json.dumps([{"source": str(sp), **_status(src)}
-                                       for sp, src in sources]),
-                   devices=_devices_json(filters.devices or tuple(capture.seen_devices())))
-        write_row()
+        reserve = _reserve(out)
+        try:
+            while not stop.is_set():
+                timeout = FLUSH_INTERVAL_S
+                if deadline is not None:
+                    timeout = min(timeout, max(0.0, deadline - time.monotonic()))
+                if stop.wait(timeout) or (deadline is not None and time.monotonic() >= deadline):
+                    break
+                now = _drain(store, capture, feeds, sampler, exporter)
+                flushes += 1
+                row["end_ns"] = now
+                if opts.roll is not None and \
+                        _disk_bytes(out, segment_path(out, segment)) >= opts.roll:
+                    row.update(lost=json.dumps(capture.lost() | marks.counts()))
+                    write_row()
+                    store.close()
+                    store = None
+                    segment, segment_start = segment + 1, now
+                    store = Store.create(out, segment)
+                    write_row()
+                    if sampler.max_rate:
+                        store.append("event_sampling", sampling_row(now, sampler.shift))
+                    if opts.max_size is not None:
+                        _prune(out, opts.max_size, log)
+                    continue
+                if opts.roll is None and opts.max_size is not None and \
+                        _disk_bytes(out) >= opts.max_size:
+                    log(f"kvprof: the session reached --max-size ({opts.max_size >> 20} MiB); "
+                        "ending the recording")
+                    break
+                if flushes % LOST_EVERY == 0:  # live views show losses while they happen
+                    lost = capture.lost() | marks.counts()
+                    if exporter is not None:
+                        exporter.lost(lost)
+                    row.update(lost=json.dumps(lost))
+                    write_row()
+                else:
+                    store.mark_end(now)
+            capture.stop()
+            end_ns = time.monotonic_ns()
+            for src in feeds:
+                src.stop(end_ns)
+            _drain(store, capture, feeds, sampler, exporter, closed=True)
+            lost = capture.lost() | marks.counts()
+            row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
+                       sources=json.dumps([{"source": str(sp), **_status(src)}
+                                           for sp, src in sources]),
+                       devices=_devices_json(filters.devices or tuple(capture.seen_devices())))
+            write_row()
+        except (duckdb.Error, OSError) as e:
+            if not _disk_full(e, out):
+                raise
+            # What was committed before stays; the session row says how it ended.
+            _end_on_full_disk(store, out, reserve, row["end_ns"], log)
+            store = None
+            raise KvprofError(f"the disk holding {out} is full: recording stopped; what was "
+                              "recorded up to the last flush stays readable (status 'disk "
+                              "full')", EX_IOERR) from None
+        _drop(reserve)
         log(f"Recorded {capture.events_total} I/Os in {(end_ns - start_ns) / 1e9:.1f} s; "
             f"lost {sum(lost.values())}. Report: kvprof report {out}")
         return out
@@ -285,6 +308,61 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             (out / DB_FILE).unlink(missing_ok=True)
             if fresh_dir:
                 shutil.rmtree(out, ignore_errors=True)
+
+
+def _reserve(out: Path) -> Path | None:
+    """A few MiB set aside in the session directory, freed when its disk fills up so that
+    the session row can still say how the recording ended."""
+    path = out / ".kvprof-reserve"
+    try:
+        with open(path, "wb") as f:
+            f.write(bytes(RESERVE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError:
+        path.unlink(missing_ok=True)
+        return None
+    return path
+
+
+def _drop(reserve: Path | None) -> None:
+    if reserve is not None:
+        reserve.unlink(missing_ok=True)
+
+
+def _disk_full(e: BaseException, out: Path) -> bool:
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    if "No space left on device" in str(e):
+        return True
+    try:  # DuckDB may only say that an earlier write failed
+        return shutil.disk_usage(out).free < RESERVE_BYTES
+    except OSError:
+        return False
+
+
+def _end_on_full_disk(store: Store | None, out: Path, reserve: Path | None,
+                      last_flush_ns: int | None, log) -> None:
+    """The writer's connection is dead after a failed write: free the reserve, reopen the
+    newest segment and record the status 'disk full', ending at the last flush."""
+    if store is not None:
+        try:
+            store.con.close()
+        except duckdb.Error:
+            pass
+    _drop(reserve)
+    try:
+        con = duckdb.connect(str(segments(out)[-1]))
+        try:
+            # Committed to the write-ahead log, which readers replay: no checkpoint, which
+            # would need more room than the reserve gives back.
+            con.execute("UPDATE session SET status = 'disk full', "
+                        "end_ns = greatest(coalesce(?, start_ns), start_ns)", [last_flush_ns])
+        finally:
+            con.close()
+    except (duckdb.Error, IndexError) as e:
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        log(f"kvprof: the session row could not say how the recording ended: {first}")
 
 
 def _drain(store: Store, capture, feeds: tuple, sampler: Sampler, exporter=None,

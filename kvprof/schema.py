@@ -106,6 +106,10 @@ PHASE = pa.schema(
         ("prefill_tokens", pa.int64()),
         ("decode_tokens", pa.int64()),
         ("confidence", pa.float64()),
+        # Marks: who sent the window, as the kernel vouched (SCM_CREDENTIALS); NULL for
+        # windows of other sources.
+        ("sender_pid", pa.int64()),
+        ("sender_uid", pa.int64()),
     ]
 )
 
@@ -274,7 +278,7 @@ DEVICE_BUSY = pa.schema(
 # The layout of the tables above, written into every Parquet export (its key-value metadata
 # `kvprof.schema_version`). Raised when a table or column is added; readers take older
 # versions (missing tables empty, missing columns NULL).
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 # Every session has these; the others came later and are absent from older recordings.
 CORE_TABLES = ("io", "phase", "session")

@@ -324,7 +324,22 @@ def load_parquet(files: dict[str, Path], what: str) -> duckdb.DuckDBPyConnection
             for col in missing_columns(con, name):
                 con.execute(f'ALTER TABLE {name} ADD COLUMN "{col}" '
                             f'{schema.duck_type(name, col)}')
+            _check_types(con, name, what)
     except duckdb.Error as e:
         con.close()
         raise _unreadable(e, what) from None
+    except KvprofError:
+        con.close()
+        raise
     return con
+
+
+def _check_types(con: duckdb.DuckDBPyConnection, table: str, what: str) -> None:
+    """A column kvprof knows must have kvprof's type: a file of some other making is refused
+    here, in one line, rather than failing (or worse, converting) in a query later."""
+    for col, got in con.execute(
+            "SELECT column_name, data_type FROM information_schema.columns "
+            "WHERE table_name = ?", [table]).fetchall():
+        if col in schema.TABLES[table].names and got != schema.duck_type(table, col):
+            raise KvprofError(f"{what}: {table}.{col} is {got}, expected "
+                              f"{schema.duck_type(table, col)}", EX_DATAERR)

@@ -25,9 +25,11 @@ apt_install() {
 need=()
 dpkg -s python3-bpfcc >/dev/null 2>&1 || need+=(python3-bpfcc bpfcc-tools)
 # chromium: the tests open the HTML report in it, headless and without network; prometheus
-# (with promtool): a real server scrapes a recorder; systemd-analyze checks the unit file.
+# (with promtool): a real server scrapes a recorder; systemd-analyze checks the unit file;
+# bpftool lists the kernel's BPF programs before and after each way a recording ends.
 for tool in fio:fio losetup:mount setpriv:util-linux mkfs.ext4:e2fsprogs tmux:tmux gcc:gcc \
-    chromium:chromium prometheus:prometheus promtool:prometheus systemd-analyze:systemd; do
+    chromium:chromium prometheus:prometheus promtool:prometheus systemd-analyze:systemd \
+    bpftool:bpftool; do
   command -v "${tool%%:*}" >/dev/null || need+=("${tool#*:}")
 done
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)

@@ -3,14 +3,25 @@
 Transitions of one (source, engine) pair form back-to-back windows: a mark closes the
 engine's open window at its timestamp and opens the next; `idle` only closes. Complete
 windows are taken as they come. Malformed datagrams are counted and dropped; recording goes on.
+
+The socket is the profiler's door: it is created for its owner and one group (mode 0660 by
+default, --socket-group, --socket-mode), each datagram carries its sender's credentials
+(SO_PASSCRED: pid, uid, gid, vouched for by the kernel) which are checked against an allow
+list (--allow-sender) and kept with the window, datagrams are size-limited and parsed
+strictly, and a flood is bounded: at most MAX_ENGINES engines open and MAX_PENDING windows
+waiting between flushes; the rest is counted (`marks_dropped`) and dropped.
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
 import socket
+import grp
+import pwd
 import stat
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +34,12 @@ from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.markers import MAX_DATAGRAM, WIRE_VERSION
 
 MAX_ENGINE_LEN = 128
+# A flood of marks (made-up engine names, complete windows) must not grow memory: engines
+# with an open window, and windows waiting for the next flush (every 250 ms).
+MAX_ENGINES = 1024
+MAX_PENDING = 100_000
+DEFAULT_MODE = 0o660
+_UCRED = struct.Struct("iII")  # struct ucred: pid, uid, gid
 
 
 @dataclass(frozen=True)
@@ -35,6 +52,8 @@ class Mark:
     end_ns: int | None = None
     prefill_tokens: int | None = None
     decode_tokens: int | None = None
+    sender_pid: int | None = None  # the kernel's word for who sent it (SCM_CREDENTIALS)
+    sender_uid: int | None = None
 
 
 def _int(msg: dict, key: str, required: bool) -> int | None:
@@ -85,19 +104,27 @@ class WindowBuilder:
         self.rows: list[dict] = []
         self.open: dict[tuple[str, str], Mark] = {}
         self.out_of_order = 0
+        self.dropped = 0  # past MAX_ENGINES or MAX_PENDING
 
     def _row(self, m: Mark, start: int, end: int) -> dict:
         return {"start_ns": start, "end_ns": end, "phase": m.phase, "source": m.source,
                 "engine": m.engine, "gpu": None, "prefill_tokens": m.prefill_tokens,
-                "decode_tokens": m.decode_tokens, "confidence": 1.0}
+                "decode_tokens": m.decode_tokens, "confidence": 1.0,
+                "sender_pid": m.sender_pid, "sender_uid": m.sender_uid}
 
     def add(self, m: Mark) -> bool:
         """Take a mark; True when it switched its engine's current phase."""
+        if len(self.rows) >= MAX_PENDING:
+            self.dropped += 1
+            return False
         if m.ts_ns is None:
             if m.phase != "idle":
                 self.rows.append(self._row(m, m.start_ns, m.end_ns))  # type: ignore[arg-type]
             return False
         key = (m.source, m.engine)
+        if key not in self.open and m.phase != "idle" and len(self.open) >= MAX_ENGINES:
+            self.dropped += 1
+            return False
         prev = self.open.get(key)
         if prev is not None:
             if m.ts_ns < prev.ts_ns:  # type: ignore[operator]
@@ -148,14 +175,35 @@ def _claim(path: Path) -> None:
                       "--socket", EX_USAGE)
 
 
-class MarkServer:
-    """Receives marks in a thread; the recorder takes closed windows with `take()`."""
+def group_id(spec: str) -> int:
+    """A group by name or number, or a one-line error."""
+    try:
+        return int(spec) if spec.isdigit() else grp.getgrnam(spec).gr_gid
+    except KeyError:
+        raise KvprofError(f"--socket-group {spec!r}: no such group", EX_USAGE) from None
 
-    def __init__(self, path: str):
+
+def user_id(spec: str) -> int:
+    """A user by name or number, or a one-line error."""
+    try:
+        return int(spec) if spec.isdigit() else pwd.getpwnam(spec).pw_uid
+    except KeyError:
+        raise KvprofError(f"--allow-sender {spec!r}: no such user", EX_USAGE) from None
+
+
+class MarkServer:
+    """Receives marks in a thread; the recorder takes closed windows with `take()`.
+    `mode`, `gid`: the socket file's permissions and group; `allow`: the uids whose marks
+    are taken (root's always; empty: whoever the file's permissions let send)."""
+
+    def __init__(self, path: str, mode: int = DEFAULT_MODE, gid: int | None = None,
+                 allow: tuple[int, ...] = ()):
         self.path = Path(path)
+        self.allow = frozenset(allow) | {0} if allow else frozenset()
         self.builder = WindowBuilder()
         self.received = 0
         self.malformed = 0
+        self.refused = 0
         # See follow(): the aggregate tier counts in the kernel under the phase kvprof was
         # last told.
         self._on_phase: Callable[[str], None] | None = None
@@ -170,32 +218,60 @@ class MarkServer:
         except OSError as e:
             raise KvprofError(f"cannot listen for marks on {self.path}: {e.strerror}",
                               EX_USAGE) from None
-        # Engines usually run as another user than the profiler: let them send.
-        os.chmod(self.path, 0o666)
+        # Owner and one group only by default: any local user able to write here could
+        # steer a root profiler's session. Engines running as another user are given the
+        # group (--socket-group) or a wider mode on purpose (--socket-mode).
+        try:
+            os.chmod(self.path, mode)
+            if gid is not None:
+                os.chown(self.path, -1, gid)
+        except OSError as e:
+            self.sock.close()
+            self.path.unlink(missing_ok=True)
+            raise KvprofError(f"marker socket {self.path}: {e.strerror}", EX_USAGE) from None
+        # The kernel attaches each sender's pid, uid and gid (it checks them: no forging).
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.sock.settimeout(0.1)
         self._thread = threading.Thread(target=self._loop, name="kvprof-marks", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def _recv(self) -> tuple[bytes, tuple[int, int] | None]:
+        """One datagram (MAX_DATAGRAM + 1 bytes at most: longer ones read as too large) and
+        its sender's (pid, uid)."""
+        data, anc, _flags, _ = self.sock.recvmsg(MAX_DATAGRAM + 1,
+                                                 socket.CMSG_SPACE(_UCRED.size))
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and \
+                    len(payload) >= _UCRED.size:
+                pid, uid, _gid = _UCRED.unpack_from(payload)
+                return data, (pid, uid)
+        return data, None
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                data = self.sock.recv(MAX_DATAGRAM + 1)
+                data, cred = self._recv()
             except socket.timeout:
                 continue
             except OSError:
                 break
-            self._handle(data)
+            self._handle(data, cred)
 
-    def _handle(self, data: bytes) -> None:
+    def _handle(self, data: bytes, cred: tuple[int, int] | None = None) -> None:
         with self._lock:
             self.received += 1
+            if self.allow and (cred is None or cred[1] not in self.allow):
+                self.refused += 1
+                return
             try:
                 m = decode(data)
             except ValueError:
                 self.malformed += 1
                 return
+            if cred is not None:
+                m = dataclasses.replace(m, sender_pid=cred[0], sender_uid=cred[1])
             if self.builder.add(m):
                 self._last_phase = m.phase
                 if self._on_phase is not None:
@@ -222,7 +298,8 @@ class MarkServer:
     def counts(self) -> dict[str, int]:
         with self._lock:
             return {"marks_malformed": self.malformed,
-                    "marks_out_of_order": self.builder.out_of_order}
+                    "marks_out_of_order": self.builder.out_of_order,
+                    "marks_refused": self.refused, "marks_dropped": self.builder.dropped}
 
     def stop(self, end_ns: int) -> None:
         """Stop listening and close every open window at end_ns."""
@@ -233,10 +310,10 @@ class MarkServer:
         self.sock.setblocking(False)
         while True:
             try:
-                data = self.sock.recv(MAX_DATAGRAM + 1)
+                data, cred = self._recv()
             except OSError:
                 break
-            self._handle(data)
+            self._handle(data, cred)
         self.sock.close()
         self.path.unlink(missing_ok=True)
         with self._lock:

@@ -1,0 +1,326 @@
+"""kvprof beside production servers: the marker socket is not a way in, a flood cannot grow
+memory, every exit path detaches every BPF program, a full disk stops the recording with its
+data readable, and reading sessions needs no privilege.
+
+Other users are real: `setpriv` runs the senders as nobody (uid 65534). They run the system
+interpreter on the marker client, which needs only the standard library."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import KVPROF, direct_random_reads, direct_write, live, run_kvprof
+
+pytestmark = live
+
+ROOT = Path(__file__).resolve().parent.parent
+NOBODY = 65534
+SYSTEM_PYTHON = shutil.which("python3", path="/usr/bin:/bin")
+
+
+def as_nobody(*args: str, group: int = NOBODY, **kw) -> subprocess.CompletedProcess:
+    """`python3 -m kvprof ARGS` as uid 65534 (with `group`), from a directory it may enter."""
+    assert SYSTEM_PYTHON, "needs the system python3 for the unprivileged sender"
+    return subprocess.run(["setpriv", "--reuid", str(NOBODY), "--regid", str(group),
+                           "--clear-groups", "env", f"PYTHONPATH={ROOT}", SYSTEM_PYTHON,
+                           "-m", "kvprof", *args], capture_output=True, text=True, cwd="/",
+                          timeout=60, **kw)
+
+
+def open_to_nobody(path: Path) -> None:
+    """Let uid 65534 reach the socket's directory (pytest's tmp dirs are root's, 0700)."""
+    for d in [path.parent, *path.parent.parents]:
+        if d == Path("/"):
+            break
+        os.chmod(d, os.stat(d).st_mode | 0o011)
+
+
+def phase_rows(out: Path) -> list[tuple]:
+    import duckdb
+
+    con = duckdb.connect(str(out / "session.duckdb"), read_only=True)
+    try:
+        return con.execute("SELECT phase, source, sender_pid, sender_uid FROM phase "
+                           "ORDER BY start_ns").fetchall()
+    finally:
+        con.close()
+
+
+def test_the_marker_socket_is_its_owners_and_groups_only(loopdev, start_recorder):
+    rec = start_recorder("-d", loopdev)
+    sock = Path(rec.socket)
+    open_to_nobody(sock)
+    assert sock.stat().st_mode & 0o777 == 0o660
+    r = as_nobody("mark", "decode", "--socket", rec.socket)
+    assert (r.returncode, r.stderr) == (77, (
+        f"kvprof: error: permission denied on the marker socket {sock} (the recorder's "
+        "--socket-group or --socket-mode decides who may send)\n"))
+    run_kvprof("mark", "prefill", "--socket", rec.socket)  # root may
+    time.sleep(0.1)
+    run_kvprof("mark", "idle", "--socket", rec.socket)
+    assert rec.stop() == 0
+    rows = phase_rows(rec.out)
+    assert [(p, s) for p, s, _, _ in rows] == [("prefill", "manual")]
+    assert rows[0][3] == 0 and rows[0][2] > 0  # root, and the sending process's pid
+
+
+def test_the_engines_group_may_send_and_the_sender_is_kept(loopdev, start_recorder):
+    rec = start_recorder("-d", loopdev, "--socket-group", str(NOBODY))
+    sock = Path(rec.socket)
+    open_to_nobody(sock)
+    assert (sock.stat().st_gid, sock.stat().st_mode & 0o777) == (NOBODY, 0o660)
+    assert as_nobody("mark", "decode", "--socket", rec.socket).returncode == 0
+    direct_random_reads(loopdev, 100, 4 << 20)
+    assert as_nobody("mark", "idle", "--socket", rec.socket).returncode == 0
+    assert rec.stop() == 0
+    (phase, source, pid, uid), = phase_rows(rec.out)
+    assert (phase, source, uid) == ("decode", "manual", NOBODY) and pid > 0
+    assert rec.report()["phases"]["decode"]["block"]["read"]["ios"] == 100
+
+
+def test_an_allow_list_refuses_other_senders(loopdev, start_recorder):
+    rec = start_recorder("-d", loopdev, "--socket-mode", "0666", "--allow-sender", "root")
+    open_to_nobody(Path(rec.socket))
+    for phase in ("decode", "prefill", "idle"):
+        # Sent (the file lets it), refused by the recorder: counted, not taken.
+        assert as_nobody("mark", phase, "--socket", rec.socket).returncode == 0
+    run_kvprof("mark", "prefill", "--socket", rec.socket)
+    time.sleep(0.1)
+    run_kvprof("mark", "idle", "--socket", rec.socket)
+    assert rec.stop() == 0
+    lost = rec.report()["session"]["lost_by_reason"]
+    assert lost["marks_refused"] == 3
+    assert [r[:2] for r in phase_rows(rec.out)] == [("prefill", "manual")]
+    r = run_kvprof("record", "--allow-sender", "no-such-user-here", "-d", loopdev)
+    assert (r.returncode, r.stderr) == (
+        64, "kvprof: error: --allow-sender 'no-such-user-here': no such user\n")
+
+
+FLOOD = r"""
+import json, os, random, socket, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+sent = 0
+rnd = random.Random(1)
+t = time.monotonic_ns()
+for i in range(n):
+    engine = "e%d" % rnd.randrange(20000)
+    if i % 2:
+        msg = {"v": 1, "phase": "decode", "engine": engine, "ts_ns": t + i}
+    else:
+        msg = {"v": 1, "phase": "prefill", "engine": engine, "start_ns": t + i,
+               "end_ns": t + i + 1000}
+    s.sendto(json.dumps(msg).encode(), path)  # blocking: every datagram reaches the recorder
+    sent += 1
+s.sendto(b"{" * 5000, path)  # longer than a mark may be: malformed
+print(sent)
+"""
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_flood_from_another_user_is_counted_and_memory_stays_bounded(loopdev, start_recorder):
+    rec = start_recorder("-d", loopdev, "--socket-group", str(NOBODY))
+    open_to_nobody(Path(rec.socket))
+    time.sleep(1)
+    before = rss_kib(rec.proc.pid)
+    n = 200_000
+    r = subprocess.run(["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY),
+                        "--clear-groups", SYSTEM_PYTHON, "-c", FLOOD, rec.socket, str(n)],
+                       capture_output=True, text=True, timeout=300, cwd="/")
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) == n
+    time.sleep(1)
+    after = rss_kib(rec.proc.pid)
+    assert rec.stop() == 0
+    report = rec.report()
+    lost = report["session"]["lost_by_reason"]
+    print(f"flood of {n} marks from uid {NOBODY}: RSS {before >> 10} -> {after >> 10} MiB; "
+          f"dropped {lost['marks_dropped']}, malformed {lost['marks_malformed']}")
+    # 20 000 made-up engines: past 1 024 open at once, their transitions are dropped.
+    assert lost["marks_dropped"] > 0 and lost["marks_malformed"] == 1
+    assert after - before < 96 << 10, (before, after)
+
+
+def bpf_prog_ids() -> set[int]:
+    out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True,
+                         check=True).stdout
+    return {p["id"] for p in json.loads(out or "[]")}
+
+
+@pytest.mark.parametrize("how", ["sigint", "sigterm", "sigkill", "duration"])
+def test_no_bpf_program_stays_attached_after_any_exit(loopdev, tmp_path, how):
+    assert shutil.which("bpftool"), "needs bpftool (scripts/dev.sh installs it)"
+    before = bpf_prog_ids()
+    args = [*KVPROF, "record", "-d", loopdev, "-o", str(tmp_path / "s"), "--socket",
+            str(tmp_path / "m.sock"), "--layer", "block", "--layer", "io_uring",
+            "--layer", "syscall"]
+    if how == "duration":
+        args += ["--duration", "2"]
+    proc = subprocess.Popen(args, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        if "Hit Ctrl-C" in line:
+            break
+    during = bpf_prog_ids()
+    assert len(during - before) >= 4, "the probes were not attached"
+    direct_write(loopdev, 1 << 20)
+    if how != "duration":
+        proc.send_signal({"sigint": signal.SIGINT, "sigterm": signal.SIGTERM,
+                          "sigkill": signal.SIGKILL}[how])
+    proc.wait(60)
+    proc.stderr.close()
+    # The kernel frees a killed process's programs with its last file descriptor.
+    deadline = time.monotonic() + 10
+    while bpf_prog_ids() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not bpf_prog_ids() & (during - before)
+    # And the session opens, whichever way it ended.
+    r = run_kvprof("report", str(tmp_path / "s"), "--json")
+    assert r.returncode == 0, r.stderr
+    status = json.loads(r.stdout)["session"]["status"]
+    assert status == ("recording" if how == "sigkill" else "complete")
+
+
+def test_reading_sessions_needs_no_privilege(loopdev, start_recorder, tmp_path):
+    rec = start_recorder("-d", loopdev)
+    direct_write(loopdev, 2 << 20)
+    assert rec.stop() == 0
+    # Every capability dropped (bounding and inheritable sets): what needs none still works.
+    drop = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--ambient-caps=-all"]
+    for args in (["report", str(rec.out), "--json"],
+                 ["export", str(rec.out), "--parquet", str(tmp_path / "pq")],
+                 ["report", str(rec.out), "--html", str(tmp_path / "r.html")]):
+        r = subprocess.run(drop + KVPROF + args, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (args, r.stderr)
+    # Recording does need them: one line, exit 77, as bcc's tools.
+    r = subprocess.run(drop + KVPROF + ["record", "-d", loopdev, "-o", str(tmp_path / "x")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 77 and r.stderr.count("\n") == 1, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_full_disk_stops_the_recording_and_keeps_what_was_written(loopdev, tmp_path):
+    # The session on a 16 MiB ext4 (itself on a loop device), the traced I/O on another.
+    small = tmp_path / "small.img"
+    with open(small, "wb") as f:
+        f.truncate(16 << 20)
+    subprocess.run(["mkfs.ext4", "-q", str(small)], check=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(small), str(mnt)], check=True)
+    try:
+        proc = subprocess.Popen([*KVPROF, "record", "-d", loopdev, "-o", str(mnt / "s"),
+                                 "--socket", str(tmp_path / "m.sock"), "--event-rate", "0"],
+                                stderr=subprocess.PIPE, text=True)
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "Hit Ctrl-C" in line:
+                break
+        fio = subprocess.Popen(["fio", "--name=fill", f"--filename=/dev/{loopdev}",
+                                "--rw=randread", "--bs=4k", "--direct=1", "--ioengine=io_uring",
+                                "--iodepth=16", "--time_based", "--runtime=60",
+                                "--size=128M"], stdout=subprocess.DEVNULL)
+        try:
+            rc = proc.wait(90)
+        finally:
+            fio.kill()
+            fio.wait()
+        err = lines + proc.stderr.readlines()
+        proc.stderr.close()
+        print("".join(err))
+        assert rc == 74, "".join(err)
+        assert any(line.startswith("kvprof: error: the disk holding ") for line in err), err
+        assert not any("Traceback" in line for line in err)
+        r = run_kvprof("report", str(mnt / "s"), "--json")
+        assert r.returncode == 0, r.stderr
+        rep = json.loads(r.stdout)
+        assert rep["session"]["status"] == "disk full"
+        assert rep["phases"]["idle"]["block"]["read"]["ios"] > 0
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_the_program_text_never_holds_user_strings(loopdev):
+    """Device names, pids, cache patterns and labels become numbers or stay in user space:
+    the BPF C is the same whatever strings were given."""
+    base = run_kvprof("record", "--ebpf", "-d", loopdev, "--layer", "block",
+                      "--layer", "syscall", "--cache", "a=/kv/*")
+    evil = run_kvprof("record", "--ebpf", "-d", loopdev, "--layer", "block",
+                      "--layer", "syscall", "--cache",
+                      'b=/kv/*"); } int x() { return 0; /*', "--socket", "/tmp/\";system(1)")
+    assert base.returncode == evil.returncode == 0, evil.stderr
+
+    def own_pid_masked(text: str) -> str:  # kvprof leaves its own files out, by its pid
+        return re.sub(r"-DKVPROF_SELF_TGID=\d+", "-DKVPROF_SELF_TGID=N", text)
+
+    assert own_pid_masked(base.stdout) == own_pid_masked(evil.stdout)
+    assert "system(1)" not in evil.stdout and "/kv/" not in evil.stdout
+
+
+def test_absurd_timestamps_are_counted_or_clipped_never_believed(loopdev, start_recorder):
+    from kvprof.markers import Marker
+
+    rec = start_recorder("-d", loopdev)
+    m = Marker(rec.socket)
+    m.mark("prefill", ts_ns=2**62)  # a century ahead
+    m.mark("decode")  # now: before the open window began, so out of order
+    m.window("decode", 5, 3)  # ends before it starts: malformed
+    m.window("prefill", 10, 20)  # decades before the session: outside it
+    m._send({"v": 1, "phase": "decode", "ts_ns": -5})  # negative: malformed
+    direct_random_reads(loopdev, 200, 4 << 20)
+    m.mark("idle", ts_ns=2**62 + 1)
+    assert rec.stop() == 0
+    report = rec.report()
+    lost = report["session"]["lost_by_reason"]
+    assert (lost["marks_out_of_order"], lost["marks_malformed"]) == (1, 2)
+    phases = report["phases"]
+    assert phases["prefill"]["time_s"] == phases["decode"]["time_s"] == 0
+    assert sum(p["time_share_pct"] for p in phases.values()) == pytest.approx(100)
+    assert phases["idle"]["block"]["read"]["ios"] == 200
+    assert report["session"]["duration_s"] < 600
+
+
+def test_truncated_sessions_and_wrong_parquet_are_one_line(loopdev, start_recorder, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rec = start_recorder("-d", loopdev)
+    direct_write(loopdev, 1 << 20)
+    assert rec.stop() == 0
+    db = rec.out / "session.duckdb"
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    data = db.read_bytes()
+    (cut / "session.duckdb").write_bytes(data[: len(data) // 3])
+    r = run_kvprof("report", str(cut))
+    assert r.returncode == 65 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"kvprof: error: {cut}"), r.stderr
+    # A Parquet export whose io table is something else entirely: flat and in a fleet.
+    pqdir, fleet = tmp_path / "pq", tmp_path / "fleet"
+    assert run_kvprof("export", str(rec.out), "--parquet", str(pqdir)).returncode == 0
+    assert run_kvprof("export", str(rec.out), "--parquet", str(fleet), "--hive").returncode == 0
+    wrong = pa.table({"issue_ns": ["not", "a", "time"]})
+    pq.write_table(wrong, pqdir / "io.parquet")
+    pq.write_table(wrong, next(fleet.glob("table=io/*/*/*/data.parquet")))
+    for args in (["top", "--replay", str(pqdir)], ["report", "--parquet", str(fleet)]):
+        r = run_kvprof(*args, timeout=60)
+        assert r.returncode == 65 and r.stderr.count("\n") == 1, (args, r.stderr)
+        assert "io.issue_ns is VARCHAR, expected BIGINT" in r.stderr
+    (pqdir / "io.parquet").write_bytes(b"PAR1 truncated")
+    r = run_kvprof("top", "--replay", str(pqdir))
+    assert r.returncode == 65 and r.stderr.startswith(
+        f"kvprof: error: {pqdir} is not a readable kvprof Parquet export"), r.stderr
