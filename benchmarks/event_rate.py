@@ -11,7 +11,6 @@ at that rate is a lower bound on what one core drains.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loopdev import loop_device
+from loopdev import disk_reads, loop_device, report_json
 
 
 def main() -> int:
@@ -55,9 +54,7 @@ def main() -> int:
         rec.send_signal(signal.SIGINT)
         rec.communicate(timeout=120)
         kernel_reads = disk_reads(dev) - before
-    report = json.loads(subprocess.run([sys.executable, "-m", "kvprof", "report",
-                                        str(tmp / "s"), "--json"], check=True,
-                                       capture_output=True, text=True).stdout)
+    report = report_json(tmp / "s")
     import duckdb
 
     con = duckdb.connect(str(tmp / "s" / "session.duckdb"), read_only=True)
@@ -75,11 +72,6 @@ def main() -> int:
     print(f"exact tier block reads {block}, /sys/block stat reads {kernel_reads}: "
           f"{'equal' if block == kernel_reads else f'differ by {block - kernel_reads}'}")
     return 0 if block == kernel_reads else 1
-
-
-def disk_reads(dev: str) -> int:
-    """Reads completed, the first field of /sys/block/DEV/stat."""
-    return int(Path(f"/sys/block/{Path(dev).name}/stat").read_text().split()[0])
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgpack
 import zmq
-from loopdev import loop_device
+from loopdev import disk_reads, loop_device, report_json
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,10 +36,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def reads(dev: str) -> int:
-    return int(Path(f"/sys/block/{Path(dev).name}/stat").read_text().split()[0])
 
 
 def metrics_flapping(port: int, stop: threading.Event) -> None:
@@ -96,7 +92,7 @@ def main() -> int:
     endpoint = f"ipc://{tmp}/fpm.0"
     stop = threading.Event()
     with loop_device("soak") as dev:
-        before = reads(dev)
+        before = disk_reads(dev)
         rec = subprocess.Popen([sys.executable, "-m", "kvprof", "record", "-d", dev, "-o",
                                 str(tmp / "s"), "--socket", str(tmp / "m.sock"),
                                 "--phases", f"vllm-metrics=http://127.0.0.1:{port}/metrics",
@@ -132,10 +128,8 @@ def main() -> int:
         stop.set()
         rec.send_signal(signal.SIGINT)
         rec.communicate(timeout=300)
-        kernel = reads(dev) - before
-    report = json.loads(subprocess.run([sys.executable, "-m", "kvprof", "report",
-                                        str(tmp / "s"), "--json"], check=True,
-                                       capture_output=True, text=True).stdout)
+        kernel = disk_reads(dev) - before
+    report = report_json(tmp / "s")
     exact = report["exact"]["totals"]["block"]["read"]["ios"]
     lost = report["session"]["lost_by_reason"]
     device_lost = sum(v for k, v in lost.items() if k.startswith("block_"))

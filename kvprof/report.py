@@ -18,6 +18,12 @@ def to_json(summary: dict) -> str:
                       indent=2, sort_keys=False)
 
 
+def _status(status: str) -> str:
+    """How a recording ended, in words: `recording` left in the row of a recorder that is no
+    longer running means it was killed or crashed (data up to its last flush)."""
+    return "recording/killed" if status == "recording" else status
+
+
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f} %"
 
@@ -31,7 +37,7 @@ def to_text(summary: dict, name: str = "") -> str:
         f"host {s['host']}  kernel {s['kernel']}  started {start}",
         f"duration {s['duration_s']:.2f} s  devices: {', '.join(s['devices']) or '-'}  "
         f"lost events: {s['lost_events']}"
-        + (f"  status: {s['status']}" if s["status"] != "complete" else ""),
+        + (f"  status: {_status(s['status'])}" if s["status"] != "complete" else ""),
         "",
         f"{'phase':<9}{'time':>10}{'share':>9}{'time idle':>12}{'capacity idle':>15}",
     ]

@@ -47,6 +47,31 @@ live = pytest.mark.skipif(
     reason=str(can_trace()))
 
 
+@contextmanager
+def mounted_ext4(dev: str, mnt: Path):
+    """A fresh ext4 on /dev/DEV mounted on `mnt` (created); unmounted afterwards."""
+    mnt.mkdir(exist_ok=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0",
+                    f"/dev/{dev}"], check=True)
+    # ext4lazyinit prefetches block bitmaps in the background after a mount, at any moment:
+    # reads nobody asked for, which would fall between the tests' diskstats snapshots.
+    subprocess.run(["mount", "-o", "no_prefetch_block_bitmaps", f"/dev/{dev}", str(mnt)],
+                   check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.fixture
+def ext4(loopdev, tmp_path):
+    """An ext4 file system on the test's loop device, mounted; yields the mount point."""
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("needs mkfs.ext4")
+    with mounted_ext4(loopdev, tmp_path / "kv") as mnt:
+        yield mnt
+
+
 @pytest.fixture(autouse=True)
 def calibration_store(tmp_path, monkeypatch):
     """Each test keeps `kvprof calibrate` results apart (recorders it starts inherit this):

@@ -99,17 +99,8 @@ def test_a_loop_device_within_15_pct_of_fio_and_its_counts_are_the_kernels(
 
 
 @pytest.fixture
-def mounted(loopdev, tmp_path):
-    subprocess.run(["mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0",
-                    f"/dev/{loopdev}"], check=True)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    subprocess.run(["mount", "-o", "no_prefetch_block_bitmaps", f"/dev/{loopdev}", str(mnt)],
-                   check=True)
-    try:
-        yield loopdev, mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
+def mounted(loopdev, ext4):
+    return loopdev, ext4
 
 
 def test_a_directory_measures_the_device_under_it_with_a_scratch_file(mounted):

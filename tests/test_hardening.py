@@ -221,6 +221,7 @@ def test_a_full_disk_stops_the_recording_and_keeps_what_was_written(loopdev, tmp
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     subprocess.run(["mount", "-o", "loop", str(small), str(mnt)], check=True)
+    before = bpf_prog_ids()
     try:
         proc = subprocess.Popen([*KVPROF, "record", "-d", loopdev, "-o", str(mnt / "s"),
                                  "--socket", str(tmp_path / "m.sock"), "--event-rate", "0"],
@@ -230,6 +231,7 @@ def test_a_full_disk_stops_the_recording_and_keeps_what_was_written(loopdev, tmp
             lines.append(line)
             if "Hit Ctrl-C" in line:
                 break
+        attached = bpf_prog_ids() - before
         fio = subprocess.Popen(["fio", "--name=fill", f"--filename=/dev/{loopdev}",
                                 "--rw=randread", "--bs=4k", "--direct=1", "--ioengine=io_uring",
                                 "--iodepth=16", "--time_based", "--runtime=60",
@@ -245,6 +247,7 @@ def test_a_full_disk_stops_the_recording_and_keeps_what_was_written(loopdev, tmp
         assert rc == 74, "".join(err)
         assert any(line.startswith("kvprof: error: the disk holding ") for line in err), err
         assert not any("Traceback" in line for line in err)
+        assert not bpf_prog_ids() & attached, "a program stayed attached after the error"
         r = run_kvprof("report", str(mnt / "s"), "--json")
         assert r.returncode == 0, r.stderr
         rep = json.loads(r.stdout)

@@ -15,8 +15,8 @@ import pytest
 
 from kvprof.markers import Marker
 from tests.conftest import (IO_TICKS, READ_IOS, READ_SECTORS, WRITE_IOS, WRITE_SECTORS,
-                            aligned, assert_kernel_count, direct_random_reads, direct_write, live, read_stat, settle,
-                            stat_delta)
+                            aligned, assert_kernel_count, direct_random_reads, direct_write, live,
+                            mounted_ext4, read_stat, settle, stat_delta)
 
 pytestmark = live
 
@@ -70,15 +70,7 @@ def test_fsync_on_ext4_counts_writes_and_flushes_as_the_kernel(loopdev, start_re
     """KV chunk files on a filesystem with fsync, on a device with a write-back cache: the
     flush machinery completes requests twice or never issues them; counts still match."""
     Path(f"/sys/block/{loopdev}/queue/write_cache").write_text("write back")
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0",
-                    f"/dev/{loopdev}"], check=True)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    # ext4lazyinit prefetches block bitmaps in the background after a mount, at any moment:
-    # reads nobody asked for, which would fall between the tests' diskstats snapshots.
-    subprocess.run(["mount", "-o", "no_prefetch_block_bitmaps", f"/dev/{loopdev}", str(mnt)],
-                   check=True)
-    try:
+    with mounted_ext4(loopdev, tmp_path / "mnt") as mnt:
         rec = start_recorder("-d", loopdev)
         marker = Marker(rec.socket)
         s0 = settle(loopdev)
@@ -95,8 +87,6 @@ def test_fsync_on_ext4_counts_writes_and_flushes_as_the_kernel(loopdev, start_re
         marker.mark("idle")
         time.sleep(0.1)
         assert rec.stop() == 0
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
     report = rec.report()
     delta = stat_delta(s0, s1)
     p = report["phases"]["prefill"]["block"]

@@ -3,7 +3,6 @@ equals what the backends did; the block layer still equals the kernel's counters
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -27,25 +26,6 @@ from tests.conftest import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def ext4(loopdev, tmp_path):
-    """An ext4 file system on the test's loop device, mounted; yields the mount point."""
-    if shutil.which("mkfs.ext4") is None:
-        pytest.skip("needs mkfs.ext4")
-    mnt = tmp_path / "kv"
-    mnt.mkdir()
-    subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0",
-                    f"/dev/{loopdev}"], check=True)
-    # ext4lazyinit prefetches block bitmaps in the background after a mount, at any moment:
-    # reads nobody asked for, which would fall between the tests' diskstats snapshots.
-    subprocess.run(["mount", "-o", "no_prefetch_block_bitmaps", f"/dev/{loopdev}", str(mnt)],
-                   check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 @live
