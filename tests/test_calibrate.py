@@ -39,12 +39,15 @@ def calibrate(target: str, *patterns: str, runtime: float = 3, extra: tuple = ()
 
 
 def fio_ref(target: str, name: str, size: int = 256 << 20, runtime: float = 2) -> float:
-    """fio's own figure for a pattern: the measure that pattern is for."""
-    from kvprof.calibrate import BY_NAME
+    """fio's own figure for a pattern (the measure that pattern is for), fio run with the
+    very command line calibrate gives it."""
+    from kvprof.calibrate import BY_NAME, Target, fio_command
 
     pat = BY_NAME[name]
-    ref = fio(target, pat.rw, pat.bs, pat.iodepth, pat.engine, size=size, runtime=runtime)
-    return ref["bw_bytes"] if pat.bs >= 1 << 20 else ref["iops"]
+    out = subprocess.run(fio_command(Target(target, None, size, None), pat, runtime),
+                         check=True, capture_output=True, text=True).stdout
+    side = json.loads(out)["jobs"][0]["write" if pat.op == "write" else "read"]
+    return side["bw_bytes"] if pat.bs >= 1 << 20 else side["iops"]
 
 
 def measure(e: dict) -> str:

@@ -232,7 +232,9 @@ def test_a_full_disk_stops_the_recording_and_keeps_what_was_written(loopdev, tmp
             if "Hit Ctrl-C" in line:
                 break
         attached = bpf_prog_ids() - before
-        fio = subprocess.Popen(["fio", "--name=fill", f"--filename=/dev/{loopdev}",
+        # --thread: the job runs in fio's own process, so killing fio ends its I/O (a forked
+        # job would go on reading the loop device into the next test's).
+        fio = subprocess.Popen(["fio", "--name=fill", "--thread", f"--filename=/dev/{loopdev}",
                                 "--rw=randread", "--bs=4k", "--direct=1", "--ioengine=io_uring",
                                 "--iodepth=16", "--time_based", "--runtime=60",
                                 "--size=128M"], stdout=subprocess.DEVNULL)

@@ -158,7 +158,8 @@ def test_plugin_discovered_by_entry_point_sends_step_windows(tmp_path, marks):
         time.sleep(0.01)
     marks.stop(time.monotonic_ns())
     table = marks.take()["phase"]
-    assert marks.counts() == {"marks_malformed": 0, "marks_out_of_order": 0}
+    assert marks.counts() == {"marks_malformed": 0, "marks_out_of_order": 0,
+                              "marks_refused": 0, "marks_dropped": 0}
     rows = sorted(table.to_pylist(), key=lambda r: (r["engine"], r["end_ns"]))
     got = [(r["engine"], r["phase"], r["prefill_tokens"], r["decode_tokens"]) for r in rows]
     assert got == [
