@@ -47,6 +47,16 @@ live = pytest.mark.skipif(
     reason=str(can_trace()))
 
 
+# Lines the fuzz tests leave for the end of the run (how many inputs each parser took), so CI's
+# log shows them without -s.
+FUZZ_COUNTS: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for line in FUZZ_COUNTS:
+        terminalreporter.write_line(line)
+
+
 @contextmanager
 def mounted_ext4(dev: str, mnt: Path):
     """A fresh ext4 on /dev/DEV mounted on `mnt` (created); unmounted afterwards."""

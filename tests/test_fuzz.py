@@ -2,7 +2,7 @@
 datagram, Prometheus exposition text, and the ZMQ payloads (msgpack) of SGLang's forward-pass
 metrics and vLLM's KV events. Whatever comes in, each either returns its value or raises its
 own error for a counted skip: never anything else, never a hang. At least 10 000 inputs each;
-the counts are printed (`pytest -s`)."""
+the counts are printed at the end of the run."""
 from __future__ import annotations
 
 import json
@@ -16,6 +16,7 @@ from kvprof.phases.exposition import parse_exposition
 from kvprof.phases.marks import Mark, decode
 from kvprof.phases.zmq_sources import (Malformed, _unpack, decode_fpm, decode_kv_batch,
                                        decode_kv_event)
+from tests.conftest import FUZZ_COUNTS
 
 RUNS = 10_000
 FUZZ = settings(max_examples=RUNS, deadline=None, database=None, derandomize=True,
@@ -48,8 +49,8 @@ class Count:
         self.name, self.n, self.ok = name, 0, 0
 
     def report(self) -> None:
-        print(f"fuzzed {self.name}: {self.n} inputs, {self.ok} accepted, "
-              f"{self.n - self.ok} refused cleanly")
+        FUZZ_COUNTS.append(f"fuzzed {self.name}: {self.n} inputs, {self.ok} accepted, "
+                           f"{self.n - self.ok} refused cleanly")
         assert self.n >= RUNS
 
 
