@@ -213,10 +213,11 @@ def test_reading_sessions_needs_no_privilege(loopdev, start_recorder, tmp_path):
 
 
 def test_a_full_disk_stops_the_recording_and_keeps_what_was_written(loopdev, tmp_path):
-    # The session on a 16 MiB ext4 (itself on a loop device), the traced I/O on another.
+    # The session on a 48 MiB ext4 (itself on a loop device), the traced I/O on another:
+    # room for a few seconds of rows before it fills.
     small = tmp_path / "small.img"
     with open(small, "wb") as f:
-        f.truncate(16 << 20)
+        f.truncate(48 << 20)
     subprocess.run(["mkfs.ext4", "-q", str(small)], check=True)
     mnt = tmp_path / "mnt"
     mnt.mkdir()

@@ -351,6 +351,7 @@ def test_file_names_are_kept_only_while_files_are_open(tmp_path):
         first = cap.take()["io"]
         cap.take()  # closes read with the last rows are forgotten after these are named
         held = len(cap.files.files)
+        lost = sum(cap.lost().values())
     finally:
         churn.stdin.write("\n")
         churn.stdin.flush()
@@ -361,7 +362,10 @@ def test_file_names_are_kept_only_while_files_are_open(tmp_path):
             if t == churn.pid and layer == "syscall"]
     assert None not in mine  # every row named, though its file was closed and forgotten
     chunks = [p for p in mine if p.startswith(str(tmp_path))]
-    assert len({*chunks}) == 300 and len(chunks) >= 600  # a write and reads of each
+    # A write and reads of each file; a row the kernel could not hand over is counted lost
+    # (on a loaded 2-vCPU machine, a probe now and then), never silently missing.
+    assert 0 <= 300 - len({*chunks}) <= lost, lost
+    assert len(chunks) >= 600 - lost
     assert held < 10, held  # 600 opens, all closed: nothing left but what is still open
 
 
