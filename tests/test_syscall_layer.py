@@ -348,20 +348,25 @@ def test_file_names_are_kept_only_while_files_are_open(tmp_path):
         churn.stdin.write("go\n")
         churn.stdin.flush()
         assert churn.stdout.readline().strip() == "done"
-        time.sleep(0.2)  # drained
-        first = cap.take()["io"]
-        # Closes read with the last rows are forgotten after these are named; rows still in
-        # a CPU's batch at the first take come with this one.
-        second = cap.take().get("io")
-        held = len(cap.files.files)
-        lost = sum(cap.lost().values())
+        # Rows are drained at each take; a closed file is forgotten once a flush (every
+        # 200 ms) has handed over its last rows. Take until that has happened, 3 s at most.
+        taken = []
+        deadline = time.monotonic() + 3
+        while True:
+            taken.append(cap.take().get("io"))
+            held = len(cap.files.files)
+            if held < 10 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
     finally:
         churn.stdin.write("\n")
         churn.stdin.flush()
         churn.wait(10)
         cap.stop()
-    rows = (first if second is None else pa.concat_tables(
-        [pa.table(first), pa.table(second)])).to_pydict()
+    # A CPU's last partial batch is read in place at stop.
+    taken.append(cap.take().get("io"))
+    lost = sum(cap.lost().values())
+    rows = pa.concat_tables([pa.table(t) for t in taken if t is not None]).to_pydict()
     mine = [p for p, t, layer in zip(rows["path"], rows["tgid"], rows["layer"])
             if t == churn.pid and layer == "syscall"]
     assert None not in mine  # every row named, though its file was closed and forgotten
