@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvprof import __version__
 from kvprof.calibrate import BY_NAME as PATTERNS
-from kvprof.errors import EX_DATAERR, EX_NOPERM, EX_SOFTWARE, EX_USAGE, KvprofError
+from kvprof.errors import EX_NOPERM, EX_SOFTWARE, EX_USAGE, KvprofError
 
 EXAMPLES = """examples:
   sudo kvprof demo                       # built-in KV-offload workload on a private loop device
@@ -298,11 +298,11 @@ def cmd_top(args) -> int:
 def load_summary(session: str | Path, with_timeline: bool = False, mixed: str = "apart"):
     """The report of a recorded session, as a dict; with its timeline for the visual report:
     (summary, timeline)."""
+    import duckdb
+
     from kvprof.correlate import summarize, timeline
     from kvprof.rowsource import SqlRows
-    from kvprof.store import open_session
-
-    import duckdb
+    from kvprof.store import open_session, unreadable
 
     con = open_session(session)
     try:
@@ -311,9 +311,7 @@ def load_summary(session: str | Path, with_timeline: bool = False, mixed: str = 
         return (summary, timeline(rows, mixed=mixed)) if with_timeline else summary
     except duckdb.Error as e:
         # Opened, but its data is damaged (a file cut short, a disk error).
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise KvprofError(f"{session}: the session's data is damaged: {first}",
-                          EX_DATAERR) from None
+        raise unreadable(e, f"{session}: the session's data is damaged") from None
     finally:
         con.close()
 
@@ -378,7 +376,7 @@ def cmd_compare(args) -> int:
 
 def cmd_export(args) -> int:
     from kvprof.export import export_parquet
-    from kvprof.store import open_session
+    from kvprof.store import open_session, unreadable
 
     if args.host and not args.hive:
         raise KvprofError("--host files a session in the fleet layout: add --hive", EX_USAGE)
@@ -389,9 +387,7 @@ def cmd_export(args) -> int:
         for path in export_parquet(con, args.parquet, hive=args.hive, host=args.host):
             print(path)
     except duckdb.Error as e:
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise KvprofError(f"{args.session}: the session's data is damaged: {first}",
-                          EX_DATAERR) from None
+        raise unreadable(e, f"{args.session}: the session's data is damaged") from None
     finally:
         con.close()
     return 0

@@ -14,9 +14,9 @@ import duckdb
 
 from kvprof import schema
 from kvprof.correlate import MAIN_OPS, summarize
-from kvprof.errors import EX_DATAERR, EX_NOINPUT, KvprofError
+from kvprof.errors import EX_NOINPUT, KvprofError
 from kvprof.rowsource import SqlRows
-from kvprof.store import load_parquet
+from kvprof.store import load_parquet, unreadable
 from kvprof.units import human_bytes
 
 LAYERS = schema.DEVICE_LAYERS + ("syscall",)
@@ -39,9 +39,7 @@ def sessions(root: Path) -> list[tuple[str, str, str]]:
         finally:
             con.close()
     except duckdb.Error as e:
-        first = (str(e).splitlines() or [type(e).__name__])[0]
-        raise KvprofError(f"{root}: not a readable kvprof fleet export: {first}",
-                          EX_DATAERR) from None
+        raise unreadable(e, f"{root}: not a readable kvprof fleet export") from None
     return [tuple(r) for r in rows]
 
 
@@ -84,8 +82,7 @@ def fleet_summary(root: str | Path) -> dict:
         try:
             summary = summarize(SqlRows(con))
         except duckdb.Error as e:
-            first = (str(e).splitlines() or [type(e).__name__])[0]
-            raise KvprofError(f"{what}: {first}", EX_DATAERR) from None
+            raise unreadable(e, what) from None
         finally:
             con.close()
         listed.append({"host": host, "date": date, "session": sid,

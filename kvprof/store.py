@@ -158,7 +158,7 @@ def open_session(session: str | Path) -> duckdb.DuckDBPyConnection:
         tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables")
                   .fetchall()}
     except duckdb.Error as e:
-        raise _unreadable(e, f"{path} is not a readable kvprof session") from None
+        raise unreadable(e, f"{path} is not a readable kvprof session") from None
     missing = set(schema.CORE_TABLES) - tables
     if missing:
         con.close()
@@ -278,11 +278,12 @@ def _open_segments(parts: list[Path], kind: str = "VIEW") -> duckdb.DuckDBPyConn
                 con.execute(schema.duckdb_ddl(name))
     except duckdb.Error as e:
         con.close()
-        raise _unreadable(e, f"{parts[0].parent} is not a readable kvprof session") from None
+        raise unreadable(e, f"{parts[0].parent} is not a readable kvprof session") from None
     return con
 
 
-def _unreadable(e: duckdb.Error, what: str) -> KvprofError:
+def unreadable(e: duckdb.Error, what: str) -> KvprofError:
+    """`what` and DuckDB's first line, as the one-line error of a damaged or foreign file."""
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
     return KvprofError(f"{what}: {first}", EX_DATAERR)
 
@@ -327,7 +328,7 @@ def load_parquet(files: dict[str, Path], what: str) -> duckdb.DuckDBPyConnection
             _check_types(con, name, what)
     except duckdb.Error as e:
         con.close()
-        raise _unreadable(e, what) from None
+        raise unreadable(e, what) from None
     except KvprofError:
         con.close()
         raise
