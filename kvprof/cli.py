@@ -8,7 +8,13 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from kvprof import __version__
+# Threads that libraries start when imported would keep the privileges the recorder drops
+# once attached (they are per thread: kvprof.privileges). A command line run starts none:
+# one BLAS thread is plenty here, and jemalloc purges without its background thread.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
+
+from kvprof import __version__  # noqa: E402 - after the environment above
 from kvprof.calibrate import BY_NAME as PATTERNS
 from kvprof.errors import EX_NOPERM, EX_SOFTWARE, EX_USAGE, KvprofError
 
@@ -68,6 +74,10 @@ def _record_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-sender", action="append", default=[], metavar="USER",
                    help="take marks only from this user (name or uid; repeatable; root "
                         "always): the kernel vouches for each sender")
+    p.add_argument("--keep-privileges", action="store_true",
+                   help="keep every privilege while recording (default: once the probes are "
+                        "attached, drop all but CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH, which "
+                        "the syscall layer's file names need)")
     p.add_argument("--phases", dest="phase_sources", action="append", default=[],
                    metavar="SOURCE[=TARGET]",
                    help="phase source, repeatable: marks, vllm-plugin, vllm-metrics=URL, "
@@ -258,7 +268,8 @@ def cmd_record(args) -> int:
                          caches=args.caches, events=args.events, max_size=args.max_size,
                          event_rate=args.event_rate, roll=args.roll,
                          prometheus=args.prometheus, socket_mode=args.socket_mode,
-                         socket_group=args.socket_group, allow_senders=args.allow_sender)
+                         socket_group=args.socket_group, allow_senders=args.allow_sender,
+                         drop_privileges=not args.keep_privileges)
     if args.ebpf:
         from kvprof.capture.ebpf import build_program
 
@@ -291,7 +302,8 @@ def cmd_top(args) -> int:
                          caches=args.caches, max_size=args.max_size,
                          event_rate=args.event_rate, prometheus=args.prometheus,
                          socket_mode=args.socket_mode, socket_group=args.socket_group,
-                         allow_senders=args.allow_sender)
+                         allow_senders=args.allow_sender,
+                         drop_privileges=not args.keep_privileges)
     return run_live(opts, interval_s=args.interval)
 
 

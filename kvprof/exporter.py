@@ -25,11 +25,14 @@ phase's time (marks and hooks windows, the rest of the session being idle).
 """
 from __future__ import annotations
 
+import socket
+import socketserver
 import threading
 import time
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import pyarrow as pa
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app
 from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 
@@ -40,6 +43,15 @@ from kvprof.errors import EX_USAGE, KvprofError
 # from 1 µs up; each bucket's bound is its slot's upper end, so every count is exact.
 FIRST_SLOT = 10
 KERNEL_PHASE_SOURCES = ("manual", "hook")
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress does not hold up the end of a recording
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, *args) -> None:
+        pass  # a line per scrape would bury the recorder's own
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -69,21 +81,35 @@ class Exporter:
         self.start_ns = time.monotonic_ns()
         self._now_ns = self.start_ns
         self.server = None
+        self._thread: threading.Thread | None = None
         self.port = 0
 
-    def serve(self, listen: str) -> None:
+    def bind(self, listen: str) -> None:
+        """Take the port (before the probes attach: a taken one fails first). Requests are
+        served only from `start()`, whose threads start after the recorder has dropped its
+        privileges (kvprof.privileges)."""
         addr, port = parse_listen(listen)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self)
         try:
-            self.server, _ = start_http_server(port, addr=addr, registry=registry)
+            family, _, _, _, sockaddr = socket.getaddrinfo(
+                addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            server = type("_Server", (_Server,), {"address_family": family})
+            self.server = make_server(sockaddr[0], port, make_wsgi_app(registry), server,
+                                      handler_class=_Quiet)
         except OSError as e:
             raise KvprofError(f"--prometheus {listen}: {e.strerror}", EX_USAGE) from None
         self.port = self.server.server_port
 
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.server.serve_forever,
+                                        name="kvprof-prometheus", daemon=True)
+        self._thread.start()
+
     def close(self) -> None:
         if self.server is not None:
-            self.server.shutdown()
+            if self._thread is not None:  # shutdown() waits for a loop that must be running
+                self.server.shutdown()
             self.server.server_close()
             self.server = None
 

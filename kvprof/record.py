@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import duckdb
 
-from kvprof import __version__, caches, calibrate, system
+from kvprof import __version__, caches, calibrate, privileges, system
 from kvprof.devices import Device, queue_limits, resolve
 from kvprof.errors import EX_IOERR, EX_UNAVAILABLE, EX_USAGE, KvprofError
 from kvprof.markers import socket_path
@@ -65,6 +65,10 @@ class RecordOptions:
     socket_mode: int = 0o660
     socket_group: str | None = None
     allow_senders: list[str] = field(default_factory=list)
+    # Give up, once attached, the privileges the recording no longer needs
+    # (kvprof.privileges). Only for a process of its own: what the caller does afterwards
+    # in this thread runs without them too (the CLI sets it; --keep-privileges does not).
+    drop_privileges: bool = False
 
 
 def default_out() -> Path:
@@ -135,29 +139,26 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         flag.install()
         stop = flag.event
     out = Path(opts.out) if opts.out else default_out()
+    fresh_dir = not out.exists()
+    Store.check_new(out)
     # Claim the marker socket first: a second recorder on the same socket fails before it
     # leaves an empty session behind.
     marks = MarkServer(socket_path(opts.socket), opts.socket_mode,
                        None if opts.socket_group is None else group_id(opts.socket_group),
                        tuple(user_id(u) for u in opts.allow_senders))
     exporter = None
-    fresh_dir = not out.exists()
+    store = None
+    capture = None
+    started = False
+    sources: list = []
     try:
         if opts.prometheus is not None:
             # Bound before anything attaches: a taken port fails without leaving a session.
             from kvprof.exporter import Exporter
 
             exporter = Exporter({})
-            exporter.serve(opts.prometheus)
-        store = Store.create(out)
-    except BaseException:
-        marks.stop(time.monotonic_ns())
-        if exporter is not None:
-            exporter.close()
-        raise
-    capture = None
-    sources: list = []
-    try:
+            exporter.bind(opts.prometheus)
+        # Marks are taken while the probes compile (the thread holds no privilege).
         marks.start()
         for spec in registry.resolve_specs(opts.phases, log):
             try:
@@ -168,6 +169,17 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 log(f"kvprof: phase source {spec} not used: {e}")
         capture = Capture(opts.layers, filters, cache_rules=cache_rules,
                           device_events=opts.events)
+        if opts.drop_privileges:
+            # Before any other thread starts (DuckDB's workers, the sources', the drain's):
+            # each copies what this one holds when it starts.
+            kept = privileges.drop(privileges.needed(opts.layers), capture.usable)
+            if threading.current_thread() is threading.main_thread():
+                held = privileges.holders()
+                if held:
+                    log(f"kvprof: threads started before attaching keep privileges: "
+                        f"{', '.join(held)}")
+            log(f"kvprof: probes attached; privileges dropped (kept: {kept})")
+        store = Store.create(out)
         marks.follow(capture.set_phase)
         sampler = Sampler(opts.event_rate if opts.events else 0, capture.set_sampling)
         start_ns = time.monotonic_ns()
@@ -199,8 +211,11 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         if opts.events and set(opts.layers) & {"block", "io_uring"}:
             store.append("event_sampling", sampling_row(start_ns, 0))
         capture.start()
+        started = True
         for _, src in sources:
             src.start()
+        if exporter is not None:
+            exporter.start()
         if on_start is not None:
             on_start(store)
         where = []
@@ -303,8 +318,8 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         if exporter is not None:
             exporter.close()
         flag.restore()
-        if capture is None:
-            # The probes never attached: there is nothing to keep, only an empty store.
+        if not started:
+            # Nothing was recorded: there is nothing to keep, at most an empty store.
             (out / DB_FILE).unlink(missing_ok=True)
             if fresh_dir:
                 shutil.rmtree(out, ignore_errors=True)

@@ -48,6 +48,18 @@ class Store:
         self.directory = directory
         self.con = con
 
+    @staticmethod
+    def check_new(directory: str | Path) -> None:
+        """Refuse a directory that holds a session, and make it: before a recorder attaches
+        anything, it knows its session can go there."""
+        d = Path(directory)
+        if segments(d):
+            raise KvprofError(f"{d} already holds a session; choose another -o", EX_USAGE)
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KvprofError(f"cannot create session in {d}: {e.strerror}", EX_USAGE) from None
+
     @classmethod
     def create(cls, directory: str | Path, segment: int = 0) -> "Store":
         d = Path(directory)

@@ -59,6 +59,16 @@ def run_live(opts: RecordOptions, interval_s: float = 0.5, window_s: float | Non
 
     rec = BackgroundRecorder(opts)
     rec.start()
+    if opts.drop_privileges:
+        # The recorder's thread dropped them once attached, before it started any other;
+        # this one, the dashboard's, needs none at all.
+        from kvprof import privileges
+
+        privileges.drop_all()
+        held = privileges.holders()
+        if held:
+            rec.log.append(f"kvprof: threads started before attaching keep privileges: "
+                           f"{', '.join(held)}")
     worker = (threading.Thread(target=work, name="kvprof-live-work", daemon=True)
               if beside is not None else None)
     try:

@@ -209,6 +209,22 @@ class Recorder:
         return json.loads(r.stdout)
 
 
+def thread_privileges(pid: int) -> dict[str, dict[str, int]]:
+    """Each thread's capability sets and no_new_privs, as the kernel shows them."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+            comm = (task / "comm").read_text().strip()
+        except OSError:
+            continue  # ended meanwhile
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        out[f"{comm} {task.name}"] = {
+            **{k: int(fields[k], 16) for k in ("CapEff", "CapPrm", "CapBnd", "CapAmb")},
+            "NoNewPrivs": int(fields["NoNewPrivs"])}
+    return out
+
+
 def run_kvprof(*args: str, env: dict | None = None, prefix: list[str] | None = None,
                timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run((prefix or []) + KVPROF + list(args), capture_output=True, text=True,

@@ -12,12 +12,14 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import KVPROF, direct_random_reads, direct_write, live, run_kvprof
+from tests.conftest import KVPROF, direct_random_reads, direct_write, live, run_kvprof, \
+    thread_privileges
 
 pytestmark = live
 
@@ -330,3 +332,143 @@ def test_truncated_sessions_and_wrong_parquet_are_one_line(loopdev, start_record
     r = run_kvprof("top", "--replay", str(pqdir))
     assert r.returncode == 65 and r.stderr.startswith(
         f"kvprof: error: {pqdir} is not a readable kvprof Parquet export"), r.stderr
+
+
+CAP_DAC_READ_SEARCH, CAP_SYS_PTRACE = 2, 19
+FILE_NAMES = 1 << CAP_DAC_READ_SEARCH | 1 << CAP_SYS_PTRACE  # what the syscall layer keeps
+
+
+def test_once_attached_the_recorder_keeps_only_what_file_names_need(loopdev, start_recorder,
+                                                                     tmp_path):
+    from kvprof.markers import Marker
+    from tests.conftest import READ_IOS, WRITE_IOS, assert_kernel_count, read_stat, settle, \
+        stat_delta
+
+    rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "io_uring",
+                         "--layer", "syscall", "--prometheus", "127.0.0.1:0")
+    threads = thread_privileges(rec.proc.pid)
+    print(f"{len(threads)} threads: " + ", ".join(
+        f"{name} {p['CapEff']:#x}" for name, p in sorted(threads.items())))
+    # Every thread: DuckDB's workers, the drain, the marks, the HTTP server, the main one.
+    assert len(threads) >= 5, threads
+    for name, p in threads.items():
+        assert (p["CapEff"] | p["CapPrm"] | p["CapBnd"]) & ~FILE_NAMES == 0, (name, p)
+        assert p["CapAmb"] == 0 and p["NoNewPrivs"] == 1, (name, p)
+    main = threads[next(n for n in threads if n.endswith(f" {rec.proc.pid}"))]
+    assert main["CapEff"] == main["CapPrm"] == main["CapBnd"] == FILE_NAMES, main
+    assert any("privileges dropped (kept: CAP_DAC_READ_SEARCH CAP_SYS_PTRACE)" in line
+               for line in rec.stderr_lines), rec.stderr_lines
+
+    # And the recording is as exact as ever: maps read and written, flushes run, by a
+    # process that could no longer load or attach anything.
+    m = Marker(rec.socket)
+    m.mark("prefill")
+    time.sleep(0.2)  # the mark reaches kvprof and the kernel's phase before the I/O
+    s0 = settle(loopdev)
+    direct_write(loopdev, 4 << 20)
+    m.mark("decode")
+    time.sleep(0.2)
+    s1 = settle(loopdev)
+    direct_random_reads(loopdev, 500, span=16 << 20)
+    s2 = read_stat(loopdev)
+    m.mark("idle")
+    # A file another user opens by a relative name is named from its /proc/PID/fd link:
+    # what CAP_SYS_PTRACE and CAP_DAC_READ_SEARCH are kept for.
+    work = Path(f"/dev/shm/kvprof-nobody-{os.getpid()}")
+    work.mkdir(mode=0o777, exist_ok=True)
+    work.chmod(0o777)
+    try:
+        writer = subprocess.run(
+            ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--clear-groups",
+             SYSTEM_PYTHON, "-c", "import os, time; fd = os.open('chunk.bin', os.O_CREAT | "
+             "os.O_WRONLY, 0o600); os.write(fd, bytes(65536)); time.sleep(1); os.close(fd); "
+             "print(os.getpid())"], cwd=work, capture_output=True, text=True, timeout=30)
+        assert writer.returncode == 0, writer.stderr
+        # The HTTP server's threads started without privilege, and serve: the aggregate
+        # tier's seconds appear once they are over.
+        import urllib.request
+
+        port = next(int(re.search(r":(\d+)/metrics", line).group(1))
+                    for line in rec.stderr_lines if "/metrics" in line)
+        deadline = time.monotonic() + 15
+        while True:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                decode = [line for line in r.read().decode().splitlines()
+                          if line.startswith("kvprof_io_ops_total{") and 'op="read"' in line
+                          and 'phase="decode"' in line and 'layer="block"' in line]
+            if decode or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert decode and float(decode[0].split()[-1]) == 500, decode
+        assert rec.stop() == 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report = rec.report()
+    writes, reads = stat_delta(s0, s1)[WRITE_IOS], stat_delta(s1, s2)[READ_IOS]
+    assert_kernel_count(report["phases"]["prefill"]["block"]["write"]["ios"], writes, report)
+    assert_kernel_count(report["phases"]["decode"]["block"]["read"]["ios"], reads, report)
+    exact = report["exact"]["phases"]
+    assert exact["prefill"]["block"]["write"]["ios"] == writes
+    assert exact["decode"]["block"]["read"]["ios"] == reads == 500
+    import duckdb
+
+    con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
+    try:
+        paths = {p for (p,) in con.execute(
+            "SELECT DISTINCT path FROM io WHERE layer = 'syscall' AND op = 'write' AND tgid = ?",
+            [int(writer.stdout)]).fetchall()}
+    finally:
+        con.close()
+    assert paths == {str(work / "chunk.bin")}, paths
+
+
+def test_keep_privileges_keeps_them(loopdev, start_recorder):
+    rec = start_recorder("-d", loopdev, "--keep-privileges")
+    threads = thread_privileges(rec.proc.pid)
+    main = threads[next(n for n in threads if n.endswith(f" {rec.proc.pid}"))]
+    ours = int(Path("/proc/self/status").read_text().split("CapEff:")[1].split()[0], 16)
+    assert main["CapEff"] == ours and main["NoNewPrivs"] == 0, main
+    assert rec.stop() == 0
+
+
+DROP_THEN_EXEC = """
+import subprocess, sys
+from kvprof import privileges
+
+def sets():
+    status = open("/proc/thread-self/status").read()
+    return {k: int(status.split(k + ":")[1].split()[0], 16) for k in ("CapEff", "CapPrm")}
+
+def works():  # what the recorder's BPF check sees: nothing in effect, all still permitted
+    seen.append(sets())
+    return sys.argv[1] == "new-kernel"
+
+seen = []
+print(privileges.drop(frozenset(), works))
+print(seen[0]["CapEff"], seen[0]["CapPrm"] != 0)
+child = subprocess.run(["grep", "-E", "^Cap(Eff|Prm|Bnd)", "/proc/self/status"],
+                       capture_output=True, text=True).stdout
+print(" ".join(str(int(line.split()[1], 16)) for line in child.splitlines()))
+"""
+
+
+@pytest.mark.parametrize("kernel", ["new-kernel", "old-kernel"])
+@pytest.mark.parametrize("bounding", ["full", "no CAP_SETPCAP"])
+def test_nothing_run_after_the_drop_gains_privileges_back(kernel, bounding):
+    """A program run by the dropped process (as root) gets nothing back: no_new_privs, and
+    the bounding set where kvprof may drop it (systemd's unit gives no CAP_SETPCAP). Where
+    the maps are not usable without CAP_BPF (kernels before 6.5, shown here by the check
+    answering no), CAP_BPF is what stays."""
+    prefix = [] if bounding == "full" else ["setpriv", "--bounding-set=-setpcap"]
+    r = subprocess.run([*prefix, sys.executable, "-c", DROP_THEN_EXEC, kernel], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    kept, during, child = r.stdout.splitlines()
+    assert during == "0 True"  # the check ran with nothing in effect, and could be undone
+    bpf = 1 << 39
+    if kernel == "new-kernel":
+        assert kept == "none" and child.split()[:2] == ["0", "0"], r.stdout
+    else:
+        assert kept == "CAP_BPF" and child.split()[:2] == [str(bpf), str(bpf)], r.stdout
+    if bounding == "full":
+        assert int(child.split()[2]) == (0 if kernel == "new-kernel" else bpf), r.stdout

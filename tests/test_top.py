@@ -343,7 +343,7 @@ def test_replay_of_a_missing_session_is_one_line(tmp_path):
 @live
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_live_numbers_move_within_a_second_of_the_io(loopdev, tmp_path):
-    from tests.conftest import direct_write
+    from tests.conftest import direct_write, thread_privileges
 
     name = f"kvprof-live-{os.getpid()}"
     out = tmp_path / "live"
@@ -353,6 +353,19 @@ def test_live_numbers_move_within_a_second_of_the_io(loopdev, tmp_path):
     _tmux("new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd)
     try:
         _screen_until(name, lambda s: "live ▶" in s and "╭─ idle" in s, timeout=90)
+        # Attached: the dashboard's process holds no privilege in any thread (block and
+        # io_uring need none once attached; kvprof.privileges).
+        pid = next(int(p) for p in subprocess.run(
+            ["pgrep", "-f", f"kvprof top -d {loopdev} -o {out}"], capture_output=True,
+            text=True).stdout.split()
+            if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:4] ==
+            [b"-m", b"kvprof", b"top"])  # not the shell or tmux that hold the same words
+        threads = thread_privileges(pid)
+        print(f"live top: {len(threads)} threads, privileges "
+              f"{sorted({p['CapEff'] | p['CapPrm'] | p['CapBnd'] for p in threads.values()})}")
+        assert len(threads) >= 5 and all(
+            p["CapEff"] | p["CapPrm"] | p["CapBnd"] == 0 and p["NoNewPrivs"] == 1
+            for p in threads.values()), threads
         time.sleep(0.5)
         direct_write(loopdev, 64 << 20)
         t_io = time.monotonic()

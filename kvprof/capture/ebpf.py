@@ -237,6 +237,15 @@ class Capture:
         except KeyError:
             pass  # closed already
 
+    def usable(self) -> bool:
+        """Whether this process can still use what it attached: run the flush program and
+        read a map (see kvprof.privileges: tried with fewer capabilities in effect)."""
+        try:
+            self.bpf["sample_shift"][ctypes.c_int(0)]
+        except KeyError:  # bcc's answer to any failed lookup; an array's slot 0 exists
+            return False
+        return run_on_cpu(self._flush_fd, self._cpus[0])
+
     def start(self) -> None:
         self._thread.start()
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from kvprof import schema
+from kvprof import privileges, schema
 from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.markers import MAX_DATAGRAM, WIRE_VERSION
 
@@ -250,6 +250,12 @@ class MarkServer:
         return data, None
 
     def _loop(self) -> None:
+        # This thread parses what other users send: whatever the recorder holds, it holds
+        # nothing (and starts before the probes attach, so it drops for itself).
+        try:
+            privileges.drop_all()
+        except OSError:
+            pass  # (a sandbox that forbids capset: nothing to give up there)
         while not self._stop.is_set():
             try:
                 data, cred = self._recv()

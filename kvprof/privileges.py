@@ -1,0 +1,135 @@
+"""Giving up, once the probes are attached, the privileges a recording no longer needs.
+
+Attaching takes CAP_BPF, CAP_PERFMON and CAP_SYS_ADMIN (or root). Afterwards the recorder
+only uses file descriptors it already holds: the kernel checks BPF maps, programs and perf
+rings when they are created, not when they are used. (Since Linux 6.5; older kernels check
+`kernel.unprivileged_bpf_disabled` on every call, so `drop()` tries first and keeps CAP_BPF
+where it must.) What else stays is what the syscall layer's file names need: reading other
+users' /proc/PID/fd (CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH).
+
+Capabilities belong to each thread, and a new thread copies its creator's. So the drop is
+done while the recorder's thread is the process's only one; every thread started after it
+(the drain, the marker socket, DuckDB's workers, the HTTP server) starts without them.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+CAP_DAC_READ_SEARCH = 2
+CAP_SETPCAP = 8
+CAP_SYS_PTRACE = 19
+CAP_SYS_ADMIN = 21
+CAP_BPF = 39
+CAP_NAMES = {CAP_DAC_READ_SEARCH: "CAP_DAC_READ_SEARCH", CAP_SYS_PTRACE: "CAP_SYS_PTRACE",
+             CAP_SYS_ADMIN: "CAP_SYS_ADMIN", CAP_BPF: "CAP_BPF"}
+
+_CAP_VERSION_3 = 0x20080522  # two 32-bit words per set
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+
+
+class _Header(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _Data(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _get() -> tuple[int, int]:
+    """This thread's (effective, permitted) sets."""
+    hdr, data = _Header(_CAP_VERSION_3, 0), (_Data * 2)()
+    if _libc().capget(ctypes.byref(hdr), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    return (data[0].effective | data[1].effective << 32,
+            data[0].permitted | data[1].permitted << 32)
+
+
+def _set(effective: int, permitted: int) -> None:
+    hdr, data = _Header(_CAP_VERSION_3, 0), (_Data * 2)()
+    for i in (0, 1):
+        data[i].effective = effective >> (32 * i) & 0xFFFFFFFF
+        data[i].permitted = permitted >> (32 * i) & 0xFFFFFFFF
+    if _libc().capset(ctypes.byref(hdr), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+def _mask(caps) -> int:
+    return sum(1 << c for c in caps)
+
+
+def needed(layers: tuple[str, ...]) -> frozenset[int]:
+    """What a recording of these layers still uses after attaching."""
+    return frozenset({CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH}) if "syscall" in layers \
+        else frozenset()
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def drop(keep: frozenset[int], works: Callable[[], bool]) -> str:
+    """Keep only `keep` (of what this thread holds) in the effective, permitted and
+    bounding sets, clear the ambient set and set no_new_privs, so that no program run later
+    gains any back. `works()` is tried first with only `keep` in effect: where it fails
+    (the kernel checks BPF privilege on every use of a map), the BPF capability is kept too.
+    Returns what is kept, in words."""
+    libc = _libc()
+    effective, permitted = _get()
+    _set(effective & _mask(keep), permitted)  # effective only: can be raised again
+    try:
+        ok = works()
+    finally:
+        _set(effective, permitted)
+    if not ok:
+        last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+        keep = keep | {CAP_BPF if last >= CAP_BPF else CAP_SYS_ADMIN}
+    # The bounding set next, while CAP_SETPCAP is still held. A recorder given only
+    # CAP_BPF+CAP_PERFMON (setcap) has no CAP_SETPCAP, but is a user that gains nothing
+    # from exec either.
+    if effective >> CAP_SETPCAP & 1:
+        for cap in range(int(Path("/proc/sys/kernel/cap_last_cap").read_text()) + 1):
+            if cap not in keep and libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), f"dropping capability {cap}")
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # EINVAL before Linux 4.3
+    kept = permitted & _mask(keep)
+    _set(kept, kept)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "no_new_privs")
+    return " ".join(CAP_NAMES.get(c, f"cap {c}") for c in sorted(keep) if kept >> c & 1) \
+        or "none"
+
+
+def holders(mask: int | None = None) -> list[str]:
+    """The threads of this process whose effective or permitted set holds more than this
+    thread's (or `mask`): what a partial drop left behind."""
+    if mask is None:
+        mask = _get()[1]
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            status = Path(f"/proc/self/task/{tid}/status").read_text()
+            comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue  # ended meanwhile
+        caps = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        if any(int(caps[k], 16) & ~mask for k in ("CapEff", "CapPrm")):
+            out.append(f"{comm} ({tid})")
+    return out
+
+
+def drop_all() -> None:
+    """For a thread that never needs privilege (one reading other processes' input)."""
+    drop(frozenset(), lambda: True)
