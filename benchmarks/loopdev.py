@@ -35,3 +35,24 @@ def report_json(session: str | Path) -> dict:
     return json.loads(subprocess.run([sys.executable, "-m", "kvprof", "report", str(session),
                                       "--json"], check=True, capture_output=True,
                                      text=True).stdout)
+
+
+def memory_mib(pid: int) -> tuple[float, float, float]:
+    """(RSS, anonymous, file-backed) MiB of a process. The anonymous part is what it
+    allocated; the file-backed part is mostly library code (LLVM's, from compiling the
+    probes), shared and dropped by the kernel under memory pressure."""
+    got = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        key, _, rest = line.partition(":")
+        got[key] = int(rest.split()[0]) / 1024 if rest.split() else 0.0
+    return got.get("Rss", 0.0), got.get("Anonymous", 0.0), \
+        got.get("Rss", 0.0) - got.get("Anonymous", 0.0)
+
+
+def growth_per_min(samples: list[tuple[float, float]]) -> float:
+    """MiB a minute over the second half of (seconds, MiB) samples (the first half holds
+    the warm-up: DuckDB's cache filling, the row caches)."""
+    half = samples[len(samples) // 2:]
+    if len(half) < 2:
+        return 0.0
+    return (half[-1][1] - half[0][1]) / max(1e-9, (half[-1][0] - half[0][0]) / 60)

@@ -3,9 +3,9 @@ loop device over /dev/shm busy (4 KiB random reads, io_uring, a fixed rate).
 
     sudo .venv/bin/python benchmarks/rss.py [--minutes 10] [--rate 100000] [--no-events]
 
-Prints RSS after attaching, then every minute, and the growth per minute over the second
-half (the first minutes include DuckDB's and the row caches' warm-up), with the session's
-size on disk.
+Prints RSS after attaching (and its anonymous and file-backed parts), then every minute, and
+the growth per minute over the second half (the first minutes include DuckDB's and the row
+caches' warm-up), with the session's size on disk.
 """
 from __future__ import annotations
 
@@ -17,14 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loopdev import loop_device
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+from loopdev import growth_per_min, loop_device, memory_mib
 
 
 def main() -> int:
@@ -55,21 +48,25 @@ def _run(args, tmp: Path, session: Path, dev: str) -> int:
                                 f"--rate_iops={args.rate}", "--thread", "--time_based",
                                 f"--runtime={seconds}", "--size=200M"],
                                stdout=subprocess.DEVNULL)
-        samples = []
+        samples = []  # (s, RSS, anonymous)
         t0 = time.monotonic()
-        print(f"attached: RSS {rss_mib(rec.pid):.0f} MiB", flush=True)
+        rss, anon, files = memory_mib(rec.pid)
+        print(f"attached: RSS {rss:.0f} MiB (anonymous {anon:.0f}, file-backed {files:.0f})",
+              flush=True)
         while fio.poll() is None:
             time.sleep(1)
-            samples.append((time.monotonic() - t0, rss_mib(rec.pid)))
+            rss, anon, files = memory_mib(rec.pid)
+            samples.append((time.monotonic() - t0, rss, anon))
             if len(samples) % 60 == 0:
                 size = (session / "session.duckdb").stat().st_size / 2**20
-                print(f"{samples[-1][0] / 60:4.1f} min: RSS {samples[-1][1]:.0f} MiB, "
-                      f"session {size:.0f} MiB", flush=True)
-        half = samples[len(samples) // 2:]
-        if len(half) >= 2:
-            slope = (half[-1][1] - half[0][1]) / max(1e-9, (half[-1][0] - half[0][0]) / 60)
-            print(f"RSS max {max(r for _, r in samples):.0f} MiB, last {samples[-1][1]:.0f} "
-                  f"MiB; growth over the second half {slope:+.1f} MiB/min")
+                print(f"{samples[-1][0] / 60:4.1f} min: RSS {rss:.0f} MiB (anonymous "
+                      f"{anon:.0f}, file-backed {files:.0f}), session {size:.0f} MiB",
+                      flush=True)
+        if len(samples) >= 4:
+            print(f"RSS max {max(r for _, r, _ in samples):.0f} MiB, last {samples[-1][1]:.0f} "
+                  f"MiB; growth over the second half: RSS "
+                  f"{growth_per_min([(t, r) for t, r, _ in samples]):+.1f} MiB/min, anonymous "
+                  f"{growth_per_min([(t, a) for t, _, a in samples]):+.1f} MiB/min")
     finally:
         if fio is not None and fio.poll() is None:
             fio.kill()

@@ -24,18 +24,11 @@ from pathlib import Path
 
 import msgpack
 import zmq
-from loopdev import disk_reads, loop_device, report_json
+from loopdev import disk_reads, growth_per_min, loop_device, memory_mib, report_json
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvprof.markers import Marker  # noqa: E402
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def metrics_flapping(port: int, stop: threading.Event) -> None:
@@ -112,7 +105,7 @@ def main() -> int:
                                stdout=subprocess.PIPE, text=True)
         marker = Marker(str(tmp / "m.sock"))
         start = time.monotonic()
-        samples = [(0, rss_mib(rec.pid))]
+        samples = [(0, *memory_mib(rec.pid))]  # (s, RSS, anonymous, file-backed)
         next_sample = 30
         i = 0
         while fio.poll() is None:
@@ -120,8 +113,9 @@ def main() -> int:
             i += 1
             time.sleep(0.5)
             if time.monotonic() - start >= next_sample:
-                samples.append((next_sample, rss_mib(rec.pid)))
-                print(f"{next_sample:>5} s  RSS {samples[-1][1]:.0f} MiB", flush=True)
+                samples.append((next_sample, *memory_mib(rec.pid)))
+                print(f"{next_sample:>5} s  RSS {samples[-1][1]:.0f} MiB (anonymous "
+                      f"{samples[-1][2]:.0f}, file-backed {samples[-1][3]:.0f})", flush=True)
                 next_sample += 30
         fio_out = json.loads(fio.stdout.read())
         marker.mark("idle")
@@ -134,10 +128,15 @@ def main() -> int:
     lost = report["session"]["lost_by_reason"]
     device_lost = sum(v for k, v in lost.items() if k.startswith("block_"))
     problems = report["session"]["source_problems"]
-    rss = [m for _, m in samples]
+    rss = [m for _, m, _, _ in samples]
+    anon = [a for _, _, a, _ in samples]
     print(f"\n{seconds} s at {fio_out['jobs'][0]['read']['iops']:,.0f} IOPS (fio); "
           f"RSS first/max/last {rss[0]:.0f}/{max(rss):.0f}/{rss[-1]:.0f} MiB, "
-          f"after the first minute {min(rss[2:] or rss):.0f}..{max(rss[2:] or rss):.0f} MiB")
+          f"after the first minute {min(rss[2:] or rss):.0f}..{max(rss[2:] or rss):.0f} MiB; "
+          f"anonymous first/max/last {anon[0]:.0f}/{max(anon):.0f}/{anon[-1]:.0f} MiB")
+    print(f"growth over the second half: RSS "
+          f"{growth_per_min([(t, r) for t, r, _, _ in samples]):+.1f} MiB/min, anonymous "
+          f"{growth_per_min([(t, a) for t, _, a, _ in samples]):+.1f} MiB/min")
     print(f"kernel reads {kernel}; exact tier {exact}; block events lost {device_lost}; "
           f"unaccounted {kernel - exact - device_lost}")
     print(f"lost by reason (non-zero): { {k: v for k, v in lost.items() if v} }")

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import duckdb
+import pyarrow as pa
 
-from kvprof import __version__, caches, calibrate, privileges, system
+from kvprof import __version__, caches, calibrate, privileges, schema, system
 from kvprof.devices import Device, queue_limits, resolve
 from kvprof.errors import EX_IOERR, EX_UNAVAILABLE, EX_USAGE, KvprofError
 from kvprof.markers import socket_path
@@ -391,18 +392,25 @@ def _drain(store: Store, capture, feeds: tuple, sampler: Sampler, exporter=None,
             exporter.rows(table, rows)
 
     taken = capture.take()
-    for table, rows in taken.items():
-        keep(table, rows)
-    if not closed:
-        # Every take, rows or none: a quiet device must lower the rate too.
-        store.append("event_sampling", sampler.saw(taken.get("io")))
-    for src in feeds:
-        for table, rows in src.take().items():
-            keep(table, rows)
-    now = time.monotonic_ns()
-    # Open windows are rewritten at every flush so live views see the phase in progress.
-    opened = [] if closed else [r for src in feeds for r in src.open_rows(now)]
-    store.replace_open_windows(opened)
+    # One transaction: killed at any moment, the session holds every flush before, whole,
+    # and the open tables never overlap the closed ones.
+    with store.transaction():
+        for table, rows in taken.items():
+            if table in schema.OPEN_TABLES:
+                store.replace(table, rows)  # the exporter counts only what is settled
+            else:
+                keep(table, rows)
+        if not closed:
+            # Every take, rows or none: a quiet device must lower the rate too.
+            store.append("event_sampling", sampler.saw(taken.get("io")))
+        for src in feeds:
+            for table, rows in src.take().items():
+                keep(table, rows)
+        now = time.monotonic_ns()
+        # Open windows are rewritten at every flush so live views see the phase in progress.
+        opened = [] if closed else [r for src in feeds for r in src.open_rows(now)]
+        store.replace("phase_open", pa.Table.from_pylist(opened, schema=schema.PHASE_OPEN)
+                      if opened else None)
     if exporter is not None:
         exporter.open_windows(opened, now)
     return now

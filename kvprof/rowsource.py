@@ -273,16 +273,22 @@ class SqlRows(RowSource):
             conds.append("dev_name = ?")
             params.append(device)
         where = ("WHERE " + " AND ".join(conds)) if conds else ""
-        try:
-            agg = self.cur.execute(f"""
-                SELECT phase, layer, op, ios, bytes, queue_ns, service_ns, size_hist,
-                       queue_hist, service_hist FROM io_agg {where}""", params).fetchall()
-            busy = self.cur.execute(f"""
-                SELECT phase, dev_name, sum(busy_ns)::UBIGINT FROM device_busy {where}
-                GROUP BY ALL ORDER BY ALL""", params).fetchall()
-        except duckdb.CatalogException:
-            return None  # recorded before the aggregate tier
-        return agg, busy
+        # The settled seconds and those still counting at the last flush (a live or killed
+        # recording's; sessions before schema 14 have only the first).
+        for agg_t, busy_t in (("(FROM io_agg UNION ALL FROM io_agg_open)",
+                               "(FROM device_busy UNION ALL FROM device_busy_open)"),
+                              ("io_agg", "device_busy")):
+            try:
+                agg = self.cur.execute(f"""
+                    SELECT phase, layer, op, ios, bytes, queue_ns, service_ns, size_hist,
+                           queue_hist, service_hist FROM {agg_t} {where}""", params).fetchall()
+                busy = self.cur.execute(f"""
+                    SELECT phase, dev_name, sum(busy_ns)::UBIGINT FROM {busy_t} {where}
+                    GROUP BY ALL ORDER BY ALL""", params).fetchall()
+            except duckdb.CatalogException:
+                continue
+            return agg, busy
+        return None  # recorded before the aggregate tier
 
     def engine_counters(self, t0: int, t1: int) -> list[tuple[str, str, float]]:
         names = sorted(schema.ENGINE_SERIES)

@@ -278,7 +278,7 @@ DEVICE_BUSY = pa.schema(
 # The layout of the tables above, written into every Parquet export (its key-value metadata
 # `kvprof.schema_version`). Raised when a table or column is added; readers take older
 # versions (missing tables empty, missing columns NULL).
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 # Every session has these; the others came later and are absent from older recordings.
 CORE_TABLES = ("io", "phase", "session")
@@ -287,11 +287,18 @@ CORE_TABLES = ("io", "phase", "session")
 # on every flush and emptied when the recording ends, so live views and a session cut short
 # by SIGKILL still see the phase that was running.
 PHASE_OPEN = PHASE
+# Likewise the aggregate tier's seconds still counting at the last flush (they move to
+# io_agg and device_busy once settled, in the same transaction as the next flush).
+IO_AGG_OPEN = IO_AGG
+DEVICE_BUSY_OPEN = DEVICE_BUSY
+# Each flush replaces these whole; a session's readers add them to their closed tables.
+OPEN_TABLES = ("phase_open", "io_agg_open", "device_busy_open")
 
 TABLES = {"io": IO, "phase": PHASE, "session": SESSION, "gpu": GPU, "kv_event": KV_EVENT,
           "engine_metric": ENGINE_METRIC, "phase_open": PHASE_OPEN, "writeback": WRITEBACK,
           "process": PROCESS, "io_agg": IO_AGG, "device_busy": DEVICE_BUSY,
-          "event_sampling": EVENT_SAMPLING}
+          "event_sampling": EVENT_SAMPLING, "io_agg_open": IO_AGG_OPEN,
+          "device_busy_open": DEVICE_BUSY_OPEN}
 
 _DUCK = {
     pa.string(): "VARCHAR",

@@ -47,6 +47,7 @@ class Store:
     def __init__(self, directory: Path, con: duckdb.DuckDBPyConnection):
         self.directory = directory
         self.con = con
+        self._depth = 0  # transactions open (transaction())
 
     @staticmethod
     def check_new(directory: str | Path) -> None:
@@ -88,13 +89,12 @@ class Store:
             self.con.unregister("_kvprof_batch")
         return data.num_rows
 
-    def replace_open_windows(self, rows: list[dict]) -> None:
-        # One transaction: a kill between the delete and the insert would otherwise leave
-        # a killed session without the phase that was running.
-        with self._transaction():
-            self.con.execute("DELETE FROM phase_open")
-            if rows:
-                self.append("phase_open", pa.Table.from_pylist(rows, schema=schema.PHASE_OPEN))
+    def replace(self, table: str, data: pa.RecordBatch | pa.Table | None) -> None:
+        """Put `data` in place of what one of the open tables (schema.OPEN_TABLES) held."""
+        assert table in schema.OPEN_TABLES
+        with self.transaction():
+            self.con.execute(f"DELETE FROM {table}")
+            self.append(table, data)
 
     def mark_end(self, end_ns: int) -> None:
         """While recording, the session reaches up to the last flush: live readers and a
@@ -104,18 +104,30 @@ class Store:
     def write_session(self, row: dict) -> None:
         tbl = pa.Table.from_pylist([row], schema=schema.SESSION)
         # One transaction: a live reader never sees the table without its row.
-        with self._transaction():
+        with self.transaction():
             self.con.execute("DELETE FROM session")
             self.append("session", tbl)
 
     @contextmanager
-    def _transaction(self) -> Iterator[None]:
+    def transaction(self) -> Iterator[None]:
+        """All of it or none of it reaches the file, whenever the process dies; nested ones
+        are part of the outermost."""
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
         self.con.execute("BEGIN TRANSACTION")
+        self._depth = 1
         try:
             yield
         except BaseException:
+            self._depth = 0
             self.con.execute("ROLLBACK")
             raise
+        self._depth = 0
         self.con.execute("COMMIT")
 
     def close(self) -> None:
@@ -279,8 +291,8 @@ def _open_segments(parts: list[Path], kind: str = "VIEW") -> duckdb.DuckDBPyConn
                     {int(start or 0)} AS start_ns,
                     {int(start or 0)} + clock_offset_ns AS start_wall_ns)
                     FROM s{last}.session""")
-            elif name == "phase_open":  # open at the last flush: the newest segment's
-                con.execute(f"CREATE {kind} phase_open AS SELECT * FROM s{last}.phase_open"
+            elif name in schema.OPEN_TABLES:  # open at the last flush: the newest segment's
+                con.execute(f"CREATE {kind} {name} AS SELECT * FROM s{last}.{name}"
                             if name in have[last] else schema.duckdb_ddl(name))
             elif any(name in h for h in have):
                 where = f" WHERE {since[name]} >= {int(start)}" if name in since else ""

@@ -157,16 +157,23 @@ def test_a_flood_from_another_user_is_counted_and_memory_stays_bounded(loopdev, 
     assert after - before < 96 << 10, (before, after)
 
 
-def bpf_prog_ids() -> set[int]:
-    out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True,
-                         check=True).stdout
-    return {p["id"] for p in json.loads(out or "[]")}
+def bpf_ids() -> set[tuple[str, int]]:
+    """Every BPF program and map on the host, as ("prog" | "map", id)."""
+    out = set()
+    for kind in ("prog", "map"):
+        listing = subprocess.run(["bpftool", "-j", kind, "show"], capture_output=True,
+                                 text=True, check=True).stdout
+        out |= {(kind, p["id"]) for p in json.loads(listing or "[]")}
+    return out
 
 
-@pytest.mark.parametrize("how", ["sigint", "sigterm", "sigkill", "duration"])
+# SIGABRT and SIGSEGV stand for kvprof crashing: the process dies there and then, by the
+# signal's default action, without any of its own cleanup.
+@pytest.mark.parametrize("how", ["sigint", "sigterm", "sigkill", "sigabrt", "sigsegv",
+                                 "duration"])
 def test_no_bpf_program_stays_attached_after_any_exit(loopdev, tmp_path, how):
     assert shutil.which("bpftool"), "needs bpftool (scripts/dev.sh installs it)"
-    before = bpf_prog_ids()
+    before = bpf_ids()
     args = [*KVPROF, "record", "-d", loopdev, "-o", str(tmp_path / "s"), "--socket",
             str(tmp_path / "m.sock"), "--layer", "block", "--layer", "io_uring",
             "--layer", "syscall"]
@@ -176,24 +183,27 @@ def test_no_bpf_program_stays_attached_after_any_exit(loopdev, tmp_path, how):
     for line in proc.stderr:
         if "Hit Ctrl-C" in line:
             break
-    during = bpf_prog_ids()
-    assert len(during - before) >= 4, "the probes were not attached"
+    during = bpf_ids()
+    ours = during - before
+    assert sum(kind == "prog" for kind, _ in ours) >= 4 and \
+        sum(kind == "map" for kind, _ in ours) >= 4, "the probes were not attached"
     direct_write(loopdev, 1 << 20)
     if how != "duration":
-        proc.send_signal({"sigint": signal.SIGINT, "sigterm": signal.SIGTERM,
-                          "sigkill": signal.SIGKILL}[how])
-    proc.wait(60)
+        proc.send_signal(getattr(signal, how.upper()))
+    rc = proc.wait(60)
     proc.stderr.close()
-    # The kernel frees a killed process's programs with its last file descriptor.
+    assert rc == {"sigkill": -9, "sigabrt": -6, "sigsegv": -11}.get(how, 0), rc
+    # The kernel frees a dead process's programs and maps with its last file descriptor.
     deadline = time.monotonic() + 10
-    while bpf_prog_ids() - before and time.monotonic() < deadline:
+    while bpf_ids() & ours and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not bpf_prog_ids() & (during - before)
+    assert not bpf_ids() & ours, sorted(bpf_ids() & ours)
+    print(f"{how}: {len(ours)} programs and maps attached, none left")
     # And the session opens, whichever way it ended.
     r = run_kvprof("report", str(tmp_path / "s"), "--json")
     assert r.returncode == 0, r.stderr
     status = json.loads(r.stdout)["session"]["status"]
-    assert status == ("recording" if how == "sigkill" else "complete")
+    assert status == ("complete" if how in ("sigint", "sigterm", "duration") else "recording")
 
 
 def test_reading_sessions_needs_no_privilege(loopdev, start_recorder, tmp_path):
@@ -224,7 +234,7 @@ def test_a_full_disk_stops_the_recording_and_keeps_what_was_written(loopdev, tmp
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     subprocess.run(["mount", "-o", "loop", str(small), str(mnt)], check=True)
-    before = bpf_prog_ids()
+    before = bpf_ids()
     try:
         proc = subprocess.Popen([*KVPROF, "record", "-d", loopdev, "-o", str(mnt / "s"),
                                  "--socket", str(tmp_path / "m.sock"), "--event-rate", "0"],
@@ -234,7 +244,7 @@ def test_a_full_disk_stops_the_recording_and_keeps_what_was_written(loopdev, tmp
             lines.append(line)
             if "Hit Ctrl-C" in line:
                 break
-        attached = bpf_prog_ids() - before
+        attached = bpf_ids() - before
         # --thread: the job runs in fio's own process, so killing fio ends its I/O (a forked
         # job would go on reading the loop device into the next test's).
         fio = subprocess.Popen(["fio", "--name=fill", "--thread", f"--filename=/dev/{loopdev}",
@@ -252,7 +262,10 @@ def test_a_full_disk_stops_the_recording_and_keeps_what_was_written(loopdev, tmp
         assert rc == 74, "".join(err)
         assert any(line.startswith("kvprof: error: the disk holding ") for line in err), err
         assert not any("Traceback" in line for line in err)
-        assert not bpf_prog_ids() & attached, "a program stayed attached after the error"
+        deadline = time.monotonic() + 10  # maps are freed after an RCU grace period
+        while bpf_ids() & attached and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not bpf_ids() & attached, "a program or map stayed after the error"
         r = run_kvprof("report", str(mnt / "s"), "--json")
         assert r.returncode == 0, r.stderr
         rep = json.loads(r.stdout)
@@ -472,3 +485,55 @@ def test_nothing_run_after_the_drop_gains_privileges_back(kernel, bounding):
         assert kept == "CAP_BPF" and child.split()[:2] == [str(bpf), str(bpf)], r.stdout
     if bounding == "full":
         assert int(child.split()[2]) == (0 if kernel == "new-kernel" else bpf), r.stdout
+
+
+def test_a_kill_at_any_moment_loses_at_most_the_last_second(loopdev, start_recorder):
+    """SIGKILL at moments spread over busy recordings (a flush may be half written): each
+    session opens, says it ended uncleanly, and both tiers hold every write the kernel
+    counted up to one second before the kill, and none it did not count."""
+    import random
+    import threading
+
+    from kvprof.markers import Marker
+    from tests.conftest import WRITE_IOS, read_stat
+
+    rnd = random.Random(12)
+    figures = []
+    for i in range(4):
+        rec = start_recorder("-d", loopdev, name=f"kill{i}")
+        Marker(rec.socket).mark("decode")
+        time.sleep(0.2)
+        done = threading.Event()
+
+        def writes() -> None:
+            off = 0
+            while not done.is_set():
+                direct_write(loopdev, 4 << 20, block=256 << 10, offset=off)
+                off = (off + (4 << 20)) % (64 << 20)
+
+        writer = threading.Thread(target=writes, daemon=True)
+        samples = [(time.monotonic(), read_stat(loopdev)[WRITE_IOS])]
+        writer.start()
+        at = samples[0][0] + rnd.uniform(1.5, 4.0)
+        while time.monotonic() < at:
+            time.sleep(0.005)
+            samples.append((time.monotonic(), read_stat(loopdev)[WRITE_IOS]))
+        t_kill = time.monotonic()
+        rec.proc.kill()
+        after = read_stat(loopdev)[WRITE_IOS]
+        done.set()
+        writer.join(10)
+        rec.proc.wait(30)
+        report = rec.report()
+        assert report["session"]["status"] == "recording"
+        # Everything the kernel counted one second before the kill (and since the start).
+        floor = max(n for t, n in samples if t <= t_kill - 1.0) - samples[0][1]
+        ceiling = after - samples[0][1]
+        lost = report["session"]["lost_events"]
+        events = report["phases"]["decode"]["block"]["write"]["ios"]
+        exact = report["exact"]["phases"]["decode"]["block"]["write"]["ios"]
+        figures.append(f"kill at {t_kill - samples[0][0]:.2f} s: kernel {ceiling} writes, "
+                       f"{floor} a second before; events {events}, exact {exact}")
+        assert floor - lost <= events <= ceiling, figures[-1]
+        assert floor - lost <= exact <= ceiling, figures[-1]
+    print("\n".join(figures))

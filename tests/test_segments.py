@@ -60,8 +60,9 @@ def test_a_rolled_session_reads_as_one(loopdev, start_recorder, tmp_path):
 
 
 def test_max_size_with_roll_keeps_the_newest_segments(loopdev, start_recorder):
-    rec = start_recorder("-d", loopdev, "--roll", "1M", "--max-size", "3M")
-    reads(loopdev, 4)
+    # (A new segment file takes ~1.3 MB before any row: DuckDB's blocks of its tables.)
+    rec = start_recorder("-d", loopdev, "--roll", "2M", "--max-size", "5M")
+    reads(loopdev, 5)
     assert rec.stop() == 0, "".join(rec.stderr_lines)
     parts = store.segments(rec.out)
     names = [p.name for p in parts]
@@ -70,7 +71,7 @@ def test_max_size_with_roll_keeps_the_newest_segments(loopdev, start_recorder):
     assert "session.duckdb" not in names and len(parts) >= 1
     assert any("deleted the oldest segment" in line for line in rec.stderr_lines)
     # Bounded: the limit, plus the segment being written when it was checked.
-    assert on_disk <= (3 << 20) + 2 * (1 << 20) + (1 << 20)
+    assert on_disk <= (5 << 20) + 2 * (2 << 20) + (2 << 20)
     report = rec.report()
     assert report["session"]["status"] == "complete"
     # What is kept agrees with itself: the rows (by issue) and the exact counts (by

@@ -53,30 +53,29 @@ class AggregateReader:
     def set_phase(self, phase: str) -> None:
         self._phase[ctypes.c_int(0)] = ctypes.c_uint32(phase_code(phase))
 
-    def take(self, final: bool = False) -> dict[str, pa.RecordBatch]:
-        """The seconds that are over (all of them when `final`), as io_agg and device_busy
-        rows; those seconds leave the maps."""
-        cutoff = (time.monotonic_ns() // NS_PER_S) - SETTLE_S
-        out = {}
-        agg = self._take_agg(cutoff, final)
-        if agg is not None:
-            out["io_agg"] = agg
-        busy = self._take_busy(cutoff, final)
-        if busy is not None:
-            out["device_busy"] = busy
+    def take(self, final: bool = False) -> dict[str, pa.RecordBatch | None]:
+        """The seconds that are over (all of them when `final`) leave the maps as io_agg and
+        device_busy rows. The seconds still counting are read as they stand, as io_agg_open
+        and device_busy_open rows (None: none), which each flush puts in place of the last
+        ones: a recording killed at any moment keeps its counts up to its last flush."""
+        cutoff = None if final else (time.monotonic_ns() // NS_PER_S) - SETTLE_S
+        out: dict[str, pa.RecordBatch | None] = {}
+        for table, m, rows in (("io_agg", self._agg, self._agg_rows),
+                               ("device_busy", self._busy, self._busy_rows)):
+            keys = list(m.keys())
+            over = [k for k in keys if cutoff is None or k.sec <= cutoff]
+            counting = [k for k in keys if cutoff is not None and k.sec > cutoff]
+            if over:
+                out[table] = rows(over)
+                for k in over:
+                    del m[k]
+            out[f"{table}_open"] = rows(counting) if counting else None
         return out
 
-    def _ready(self, table, cutoff: int, final: bool) -> list:
-        return [k for k in table.keys() if final or k.sec <= cutoff]
-
-    def _take_agg(self, cutoff: int, final: bool) -> pa.RecordBatch | None:
-        keys = self._ready(self._agg, cutoff, final)
-        if not keys:
-            return None
+    def _agg_rows(self, keys: list) -> pa.RecordBatch:
         rows = []
         for k in keys:
             per_cpu = np.frombuffer(self._agg.getvalue(k), AGG_DTYPE, count=self._ncpu)
-            del self._agg[k]
             rows.append((k.sec, k.dev, k.phase, k.layer, k.op, per_cpu["ios"].sum(),
                          per_cpu["bytes"].sum(), per_cpu["queue_ns"].sum(),
                          per_cpu["service_ns"].sum(), per_cpu["size"].sum(0),
@@ -100,15 +99,9 @@ class AggregateReader:
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO_AGG],
                                           schema=schema.IO_AGG)
 
-    def _take_busy(self, cutoff: int, final: bool) -> pa.RecordBatch | None:
-        keys = self._ready(self._busy, cutoff, final)
-        if not keys:
-            return None
-        rows = []
-        for k in keys:
-            rows.append((k.sec, k.dev, k.phase, sum(self._busy.getvalue(k))))
-            del self._busy[k]
-        sec, dev, phase, ns = zip(*rows)
+    def _busy_rows(self, keys: list) -> pa.RecordBatch:
+        sec, dev, phase, ns = zip(*((k.sec, k.dev, k.phase, sum(self._busy.getvalue(k)))
+                                    for k in keys))
         cols = {
             "ts_ns": pa.array(np.array(sec, np.int64) * NS_PER_S),
             "phase": pa.array([phase_name(p) for p in phase], pa.string()),
