@@ -180,7 +180,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                     log(f"kvprof: threads started before attaching keep privileges: "
                         f"{', '.join(held)}")
             log(f"kvprof: probes attached; privileges dropped (kept: {kept})")
-        store = Store.create(out)
+        store = Store.create(out, live=on_start is not None)
         marks.follow(capture.set_phase)
         sampler = Sampler(opts.event_rate if opts.events else 0, capture.set_sampling)
         start_ns = time.monotonic_ns()
@@ -261,7 +261,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                     store.close()
                     store = None
                     segment, segment_start = segment + 1, now
-                    store = Store.create(out, segment)
+                    store = Store.create(out, segment, live=on_start is not None)
                     write_row()
                     if sampler.max_rate:
                         store.append("event_sampling", sampling_row(now, sampler.shift))

@@ -14,7 +14,12 @@ from kvprof import calibrate, schema
 from kvprof.errors import EX_DATAERR, EX_NOINPUT, EX_USAGE, KvprofError
 
 DB_FILE = "session.duckdb"
-WRITER_MEMORY = "128MB"
+# DuckDB's memory limit for a recording's connection. Past it, written blocks are evicted
+# to the file (a writer reads none of them back) and big queries spill to its temp folder:
+# a recording alone needs little; one that a live dashboard reads through (kvprof top) keeps
+# more, for the dashboard's queries.
+WRITER_MEMORY = "32MB"
+LIVE_MEMORY = "128MB"
 
 
 def db_path(session: str | Path) -> Path:
@@ -62,7 +67,8 @@ class Store:
             raise KvprofError(f"cannot create session in {d}: {e.strerror}", EX_USAGE) from None
 
     @classmethod
-    def create(cls, directory: str | Path, segment: int = 0) -> "Store":
+    def create(cls, directory: str | Path, segment: int = 0, live: bool = False) -> "Store":
+        """A new session (or the next segment of one); `live`: read while it is written."""
         d = Path(directory)
         path = segment_path(d, segment)
         if path.exists() or (segment == 0 and segments(d)):
@@ -70,9 +76,9 @@ class Store:
         try:
             d.mkdir(parents=True, exist_ok=True)
             # DuckDB's default memory limit is 80 % of RAM, and a writer keeps what it wrote
-            # cached up to it: RSS would grow with the recording. Past the limit, written
-            # blocks are evicted to the file and big live queries spill to its temp folder.
-            con = duckdb.connect(str(path), config={"memory_limit": WRITER_MEMORY})
+            # cached up to it: RSS would grow with the recording.
+            con = duckdb.connect(str(path), config={
+                "memory_limit": LIVE_MEMORY if live else WRITER_MEMORY})
         except (OSError, duckdb.Error) as e:
             raise KvprofError(f"cannot create session in {d}: {e}", EX_USAGE) from None
         for name in schema.TABLES:
