@@ -532,13 +532,29 @@ FLAG_FILTERED = 1 << 15  # KVPROF_FL_FILTERED: entries of tasks the filters leav
 FLAG_DIRECT = schema.FLAG_DIRECT
 
 
+MADV_PAGEOUT = 21  # Linux 5.4+
+
+
 def _release_compiler_memory() -> None:
     """Compiling the probes (clang/LLVM inside bcc) leaves ~200 MB of freed heap that glibc
-    keeps mapped; a long recording should not carry it."""
+    keeps mapped, and ~80 MB of the compiler's code paged in; a long recording needs
+    neither. The heap goes back to the kernel; the code pages are handed back (MADV_PAGEOUT:
+    they come back from the file if ever run again)."""
+    libc = _libc()
     try:
-        _libc().malloc_trim(0)
+        libc.malloc_trim(0)
     except AttributeError:
         pass  # not glibc
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return
+    for line in maps:
+        fields = line.split()
+        if len(fields) > 5 and ("/libLLVM" in fields[5] or "/libclang" in fields[5]):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            # An old kernel's EINVAL leaves them paged in: advice, nothing more.
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT)
 
 
 def _peers(ev: np.ndarray, tcp: np.ndarray, paths: pa.Array) -> pa.Array:
