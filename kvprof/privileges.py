@@ -8,8 +8,10 @@ where it must.) What else stays is what the syscall layer's file names need: rea
 users' /proc/PID/fd (CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH).
 
 Capabilities belong to each thread, and a new thread copies its creator's. So the drop is
-done while the recorder's thread is the process's only one; every thread started after it
-(the drain, the marker socket, DuckDB's workers, the HTTP server) starts without them.
+done while the recorder's thread is the only one that holds any (the marker socket's thread
+drops its own as it starts; `kvprof top`'s main thread, waiting meanwhile, right after):
+every thread started later (the drain, DuckDB's workers, the sources, the HTTP server)
+starts without them. `holders()` finds any left behind.
 """
 from __future__ import annotations
 
@@ -76,10 +78,6 @@ def needed(layers: tuple[str, ...]) -> frozenset[int]:
         else frozenset()
 
 
-def threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
 def drop(keep: frozenset[int], works: Callable[[], bool]) -> str:
     """Keep only `keep` (of what this thread holds) in the effective, permitted and
     bounding sets, clear the ambient set and set no_new_privs, so that no program run later
@@ -96,9 +94,9 @@ def drop(keep: frozenset[int], works: Callable[[], bool]) -> str:
     if not ok:
         last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
         keep = keep | {CAP_BPF if last >= CAP_BPF else CAP_SYS_ADMIN}
-    # The bounding set next, while CAP_SETPCAP is still held. A recorder given only
-    # CAP_BPF+CAP_PERFMON (setcap) has no CAP_SETPCAP, but is a user that gains nothing
-    # from exec either.
+    # The bounding set next, while CAP_SETPCAP is still held. Without it (systemd's unit
+    # bounds kvprof to what it needs; a setcap'd interpreter runs as a user), no_new_privs
+    # below is what keeps a program run later from gaining any back.
     if effective >> CAP_SETPCAP & 1:
         for cap in range(int(Path("/proc/sys/kernel/cap_last_cap").read_text()) + 1):
             if cap not in keep and libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:

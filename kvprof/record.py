@@ -28,7 +28,7 @@ from kvprof.markers import socket_path
 from kvprof.phases import registry
 from kvprof.sampling import Sampler
 from kvprof.sampling import row as sampling_row
-from kvprof.store import DB_FILE, Store, segment_path, segments
+from kvprof.store import DB_FILE, Store, recorder_identity, segment_path, segments
 
 if TYPE_CHECKING:
     from kvprof.capture.ebpf import CaptureFilter
@@ -203,7 +203,8 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                                   "caches": [[r.name, r.glob] for r in cache_rules],
                                   "device_events": opts.events,
                                   "event_rate": opts.event_rate if opts.events else None,
-                                  "aggregate": capture.aggregate is not None}),
+                                  "aggregate": capture.aggregate is not None,
+                                  "recorder": recorder_identity()}),
             "lost": "{}",
             "sources": "[]",
             "status": "recording",

@@ -19,9 +19,10 @@ def to_json(summary: dict) -> str:
 
 
 def _status(status: str) -> str:
-    """How a recording ended, in words: `recording` left in the row of a recorder that is no
-    longer running means it was killed or crashed (data up to its last flush)."""
-    return "recording/killed" if status == "recording" else status
+    """How a recording ended, in words. `recording` is a recorder still running, or, read
+    where kvprof cannot tell (another host, another boot), one killed or crashed."""
+    return {"killed": "killed (ended uncleanly: data up to its last flush)",
+            "recording": "recording (or killed)"}.get(status, status)
 
 
 def _pct(v: float | None) -> str:

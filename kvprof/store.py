@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -247,7 +248,40 @@ def session_info(con: duckdb.DuckDBPyConnection) -> SessionInfo:
         start_wall_ns=r["start_wall_ns"], start_ns=r["start_ns"], end_ns=end,
         clock_offset_ns=r["clock_offset_ns"], devices=_with_calibration(r["devices"]),
         config=json.loads(r["config"] or "{}"), lost=json.loads(r["lost"] or "{}"),
-        status=r["status"], sources=json.loads(r.get("sources") or "[]"))
+        status=_standing(r["status"], json.loads(r["config"] or "{}").get("recorder")),
+        sources=json.loads(r.get("sources") or "[]"))
+
+
+def recorder_identity() -> dict:
+    """Who is recording, as kept in the session's config: enough for a reader on the same
+    boot of the same host to tell whether it still runs (a pid alone may be reused)."""
+    return {"pid": os.getpid(), "boot_id": _boot_id(), "start_ticks": _start_ticks(os.getpid())}
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[19])  # field 22, after the command's name
+
+
+def _standing(status: str, recorder: dict | None) -> str:
+    """A session row still saying `recording` whose recorder is gone was killed or crashed
+    (its data reaches up to the last flush): `killed`, where this host can tell (same boot,
+    the process gone); otherwise as recorded."""
+    if status != "recording" or not recorder or recorder.get("boot_id") is None or \
+            recorder["boot_id"] != _boot_id():
+        return status
+    alive = _start_ticks(int(recorder["pid"])) == recorder.get("start_ticks")
+    return status if alive else "killed"
 
 
 def _with_calibration(devices: str | None) -> list[dict]:

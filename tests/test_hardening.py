@@ -203,7 +203,7 @@ def test_no_bpf_program_stays_attached_after_any_exit(loopdev, tmp_path, how):
     r = run_kvprof("report", str(tmp_path / "s"), "--json")
     assert r.returncode == 0, r.stderr
     status = json.loads(r.stdout)["session"]["status"]
-    assert status == ("complete" if how in ("sigint", "sigterm", "duration") else "recording")
+    assert status == ("complete" if how in ("sigint", "sigterm", "duration") else "killed")
 
 
 def test_reading_sessions_needs_no_privilege(loopdev, start_recorder, tmp_path):
@@ -525,7 +525,7 @@ def test_a_kill_at_any_moment_loses_at_most_the_last_second(loopdev, start_recor
         writer.join(10)
         rec.proc.wait(30)
         report = rec.report()
-        assert report["session"]["status"] == "recording"
+        assert report["session"]["status"] == "killed"
         # Everything the kernel counted one second before the kill (and since the start).
         floor = max(n for t, n in samples if t <= t_kill - 1.0) - samples[0][1]
         ceiling = after - samples[0][1]
@@ -537,3 +537,38 @@ def test_a_kill_at_any_moment_loses_at_most_the_last_second(loopdev, start_recor
         assert floor - lost <= events <= ceiling, figures[-1]
         assert floor - lost <= exact <= ceiling, figures[-1]
     print("\n".join(figures))
+
+
+def test_a_killed_session_says_so_where_this_host_can_tell(loopdev, start_recorder, tmp_path):
+    import duckdb
+
+    from kvprof.store import recorder_identity
+
+    rec = start_recorder("-d", loopdev)
+    direct_write(loopdev, 1 << 20)
+    time.sleep(0.6)
+    rec.stop(signal.SIGKILL)
+    assert rec.report()["session"]["status"] == "killed"
+    text = run_kvprof("report", str(rec.out)).stdout
+    assert "status: killed (ended uncleanly: data up to its last flush)" in text
+
+    def as_if(recorder: dict) -> tuple[str, str]:
+        copy = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(rec.out, copy)
+        con = duckdb.connect(str(copy / "session.duckdb"))
+        config = json.loads(con.execute("SELECT config FROM session").fetchall()[0][0])
+        con.execute("UPDATE session SET config = ?", [json.dumps({**config,
+                                                                 "recorder": recorder})])
+        con.close()
+        r = run_kvprof("report", str(copy), "--json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["session"]["status"], run_kvprof("report", str(copy)).stdout
+
+    # Read on another host (or after a reboot): whether it still runs cannot be told.
+    mine = recorder_identity()
+    status, text = as_if({**mine, "boot_id": "another-boot"})
+    assert status == "recording" and "status: recording (or killed)" in text
+    # A recorder that still runs (here: this test's own process) is recording.
+    assert as_if(mine)[0] == "recording"
+    # The same pid, reused by a later process, is not the recorder.
+    assert as_if({**mine, "start_ticks": mine["start_ticks"] - 1})[0] == "killed"
