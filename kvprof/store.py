@@ -92,8 +92,13 @@ class Store:
         self.con.register("_kvprof_batch", data)
         try:
             self.con.execute(f"INSERT INTO {table} SELECT * FROM _kvprof_batch")
-        finally:
-            self.con.unregister("_kvprof_batch")
+        except duckdb.Error:
+            try:
+                self.con.unregister("_kvprof_batch")
+            except duckdb.Error:
+                pass  # refused by the transaction the insert aborted: its error says why
+            raise
+        self.con.unregister("_kvprof_batch")
         return data.num_rows
 
     def replace(self, table: str, data: pa.RecordBatch | pa.Table | None) -> None:
@@ -132,7 +137,10 @@ class Store:
             yield
         except BaseException:
             self._depth = 0
-            self.con.execute("ROLLBACK")
+            try:
+                self.con.execute("ROLLBACK")
+            except duckdb.Error:
+                pass  # a failed write invalidated the connection: the error above says why
             raise
         self._depth = 0
         self.con.execute("COMMIT")

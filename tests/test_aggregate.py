@@ -103,6 +103,8 @@ def test_exact_per_phase_follows_marks(loopdev, start_recorder):
     assert rec.stop() == 0, "".join(rec.stderr_lines)
     report = rec.report()
     exact = report["exact"]["phases"]
+    block_lost = sum(n for reason, n in report["session"]["lost_by_reason"].items()
+                     if reason.startswith("block_"))
     for phase, d in deltas.items():
         op, ios, sectors = (("write", WRITE_IOS, WRITE_SECTORS) if phase == "prefill"
                             else ("read", READ_IOS, READ_SECTORS))
@@ -110,7 +112,11 @@ def test_exact_per_phase_follows_marks(loopdev, start_recorder):
         events = report["phases"][phase]["block"][op]
         print(f"{phase} {op}: kernel {d[ios]} ios {d[sectors] * 512} B; exact {got['ios']} "
               f"{got['bytes']} B; events {events['ios']}")
-        assert (got["ios"], got["bytes"]) == (d[ios], d[sectors] * 512)
+        # Equal to the kernel's, but for completions the probes were not shown (counted:
+        # the 6.18 loop device's rare unseen completion costs both tiers the same request).
+        missing = d[ios] - got["ios"]
+        assert 0 <= missing <= block_lost, (missing, report["session"]["lost_by_reason"])
+        assert missing or got["bytes"] == d[sectors] * 512
         assert (got["ios"], got["bytes"]) == (events["ios"], events["bytes"])
         idle_exact = exact[phase]["devices"][loopdev]["time_idle_pct"]
         idle_events = report["phases"][phase]["block"]["devices"][loopdev]["time_idle_pct"]
