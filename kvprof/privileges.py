@@ -18,6 +18,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import platform
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -129,5 +131,37 @@ def holders(mask: int | None = None) -> list[str]:
 
 
 def drop_all() -> None:
-    """For a thread that never needs privilege (one reading other processes' input)."""
+    """For a thread that never needs privilege (the dashboard's)."""
     drop(frozenset(), lambda: True)
+
+
+# The bpf() syscall's number, where kvprof knows it.
+SYS_BPF = {"x86_64": 321, "aarch64": 280}
+BPF_MAP_CREATE, BPF_MAP_LOOKUP_ELEM, BPF_MAP_TYPE_ARRAY = 0, 1, 2
+
+
+def _bpf(cmd: int, attr: bytes) -> int:
+    nr = SYS_BPF.get(platform.machine())
+    if nr is None:
+        return -1
+    buf = ctypes.create_string_buffer(attr, 72)
+    return _libc().syscall(nr, cmd, buf, 72)
+
+
+def drop_for_map_writer() -> str:
+    """For a thread that uses the recorder's BPF maps and nothing else privileged (the
+    marker socket's: it sets the phase the probes count under, from what other users send).
+    It starts before the probes attach, so its check is a one-slot map of its own."""
+    fd = _bpf(BPF_MAP_CREATE, struct.pack("<IIII", BPF_MAP_TYPE_ARRAY, 4, 4, 1))
+
+    def works() -> bool:
+        key, value = ctypes.c_uint32(0), ctypes.c_uint32(0)
+        return _bpf(BPF_MAP_LOOKUP_ELEM, struct.pack(
+            "<IIQQQ", fd, 0, ctypes.addressof(key), ctypes.addressof(value), 0)) == 0
+
+    try:
+        # No map (no privilege, or no BPF here): nothing this thread could keep.
+        return drop(frozenset(), works if fd >= 0 else lambda: True)
+    finally:
+        if fd >= 0:
+            os.close(fd)

@@ -141,12 +141,16 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         stop = flag.event
     out = Path(opts.out) if opts.out else default_out()
     fresh_dir = not out.exists()
-    Store.check_new(out)
     # Claim the marker socket first: a second recorder on the same socket fails before it
-    # leaves an empty session behind.
+    # leaves an empty session directory behind.
     marks = MarkServer(socket_path(opts.socket), opts.socket_mode,
                        None if opts.socket_group is None else group_id(opts.socket_group),
                        tuple(user_id(u) for u in opts.allow_senders))
+    try:
+        Store.check_new(out)  # (outside the cleanup below: it may refuse a kept session)
+    except BaseException:
+        marks.stop(time.monotonic_ns())
+        raise
     exporter = None
     store = None
     capture = None

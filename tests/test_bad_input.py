@@ -101,7 +101,16 @@ def test_second_recorder_on_same_socket_is_refused(start_recorder, tmp_path, loo
                    "--duration", "1")
     assert r.returncode == errors.EX_USAGE
     assert "already listening" in one_line_error(r)
+    assert not (tmp_path / "two").exists()  # refused before it made anything
     assert rec.stop() == 0
+    # A directory holding a session is refused, and the session is left as it was.
+    before = (rec.out / "session.duckdb").read_bytes()
+    r = run_kvprof("record", "-d", loopdev, "-o", str(rec.out), "--socket",
+                   str(tmp_path / "three.sock"), "--duration", "1")
+    assert r.returncode == errors.EX_USAGE
+    assert "already holds a session" in one_line_error(r)
+    assert (rec.out / "session.duckdb").read_bytes() == before
+    assert not (tmp_path / "three.sock").exists()
 
 
 def test_missing_bcc_names_the_package_to_install():

@@ -25,6 +25,7 @@ from kvprof.capture.procs import ProcessTable
 from kvprof.capture.ringbuf import RingReader
 from kvprof.devices import Device, by_number
 from kvprof.errors import EX_UNAVAILABLE, KvprofError
+from kvprof.privileges import SYS_BPF
 
 # Mirrors struct kvprof_io in probes/kvprof.h.
 EVENT_DTYPE = np.dtype(
@@ -589,7 +590,6 @@ def _cgroup_id(tgid: int) -> int | None:
     return None
 
 BPF_OBJ_GET_INFO_BY_FD = 15
-SYS_BPF = {"x86_64": 321, "aarch64": 280}
 # struct bpf_prog_info (uapi/linux/bpf.h) up to recursion_misses (added in Linux 5.12).
 PROG_INFO_SIZE = 216
 RECURSION_MISSES_OFFSET = 208

@@ -250,10 +250,11 @@ class MarkServer:
         return data, None
 
     def _loop(self) -> None:
-        # This thread parses what other users send: whatever the recorder holds, it holds
-        # nothing (and starts before the probes attach, so it drops for itself).
+        # This thread parses what other users send: whatever the recorder holds, it keeps
+        # only what writing the probes' phase map takes (nothing since Linux 6.5), and drops
+        # the rest itself, as it starts before the probes attach.
         try:
-            privileges.drop_all()
+            privileges.drop_for_map_writer()
         except OSError:
             pass  # (a sandbox that forbids capset: nothing to give up there)
         while not self._stop.is_set():
