@@ -7,6 +7,7 @@ EX_NOINPUT = 66  # a session that does not exist
 EX_UNAVAILABLE = 69  # a needed OS part (bcc, headers, tracefs) is missing
 EX_SOFTWARE = 70
 EX_IOERR = 74  # the session's disk failed or filled up
+EX_TEMPFAIL = 75  # a session still being recorded: try again once it ends
 EX_NOPERM = 77  # as the bcc tools: missing privileges
 
 

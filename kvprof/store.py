@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import duckdb
 import pyarrow as pa
 
 from kvprof import calibrate, schema
-from kvprof.errors import EX_DATAERR, EX_NOINPUT, EX_USAGE, KvprofError
+from kvprof.errors import EX_DATAERR, EX_NOINPUT, EX_TEMPFAIL, EX_USAGE, KvprofError
 
 DB_FILE = "session.duckdb"
 # DuckDB's memory limit for a recording's connection. Past it, written blocks are evicted
@@ -355,8 +356,13 @@ def _open_segments(parts: list[Path], kind: str = "VIEW") -> duckdb.DuckDBPyConn
 
 
 def unreadable(e: duckdb.Error, what: str) -> KvprofError:
-    """`what` and DuckDB's first line, as the one-line error of a damaged or foreign file."""
+    """`what` and DuckDB's first line, as the one-line error of a damaged or foreign file;
+    a session a recorder still writes (it holds the file's lock) says so instead."""
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    held = re.search(r'Could not set lock on file "([^"]+)".*\(PID (\d+)\)', first)
+    if held:
+        return KvprofError(f"{held[1]} is still being recorded (by process {held[2]}); read "
+                           "it once the recording ends", EX_TEMPFAIL)
     return KvprofError(f"{what}: {first}", EX_DATAERR)
 
 

@@ -141,3 +141,14 @@ def test_doctor_prints_one_line_per_check():
     for i, line in enumerate(r.stdout.splitlines()):
         if line.startswith("FAIL"):
             assert "fix:" in r.stdout.splitlines()[i + 1]
+
+
+@live
+def test_reading_a_session_still_being_recorded_says_so(start_recorder, loopdev):
+    rec = start_recorder("-d", loopdev)
+    for cmd in (("report",), ("export", "--parquet", str(rec.out.parent / "pq"))):
+        r = run_kvprof(cmd[0], str(rec.out), *cmd[1:])
+        assert r.returncode == errors.EX_TEMPFAIL, r.stderr
+        assert f"still being recorded (by process {rec.proc.pid})" in one_line_error(r)
+    assert rec.stop() == 0
+    assert run_kvprof("report", str(rec.out)).returncode == 0
