@@ -177,13 +177,17 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         if opts.drop_privileges:
             # Before any other thread starts (DuckDB's workers, the sources', the drain's):
             # each copies what this one holds when it starts.
-            kept = privileges.drop(privileges.needed(opts.layers), capture.usable)
-            if threading.current_thread() is threading.main_thread():
-                held = privileges.holders()
-                if held:
-                    log(f"kvprof: threads started before attaching keep privileges: "
-                        f"{', '.join(held)}")
-            log(f"kvprof: probes attached; privileges dropped (kept: {kept})")
+            try:
+                kept = privileges.drop(privileges.needed(opts.layers), capture.usable)
+            except OSError as e:  # a sandbox that forbids capset or prctl
+                log(f"kvprof: privileges could not be dropped ({e}); recording with them")
+            else:
+                if threading.current_thread() is threading.main_thread():
+                    held = privileges.holders()
+                    if held:
+                        log(f"kvprof: threads started before attaching keep privileges: "
+                            f"{', '.join(held)}")
+                log(f"kvprof: probes attached; privileges dropped (kept: {kept})")
         store = Store.create(out, live=on_start is not None)
         marks.follow(capture.set_phase)
         sampler = Sampler(opts.event_rate if opts.events else 0, capture.set_sampling)

@@ -64,7 +64,10 @@ def run_live(opts: RecordOptions, interval_s: float = 0.5, window_s: float | Non
         # this one, the dashboard's, needs none at all.
         from kvprof import privileges
 
-        privileges.drop_all()
+        try:
+            privileges.drop_all()
+        except OSError as e:  # a sandbox that forbids capset or prctl
+            rec.log.append(f"kvprof: the dashboard's privileges could not be dropped ({e})")
         held = privileges.holders()
         if held:
             rec.log.append(f"kvprof: threads started before attaching keep privileges: "
