@@ -355,15 +355,24 @@ def _drop(reserve: Path | None) -> None:
         reserve.unlink(missing_ok=True)
 
 
+# Free bytes below which a fatal write error counts as the disk filling up: DuckDB may
+# report only that an earlier write failed (its database "invalidated"), after deleting the
+# temporary files it spilled a flush to, which gives back up to its memory limit.
+NEARLY_FULL_BYTES = RESERVE_BYTES + (64 << 20)
+
+
 def _disk_full(e: BaseException, out: Path) -> bool:
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return True
     if "No space left on device" in str(e):
         return True
-    try:  # DuckDB may only say that an earlier write failed
-        return shutil.disk_usage(out).free < RESERVE_BYTES
+    fatal = isinstance(e, duckdb.Error) and any(
+        word in str(e) for word in ("invalidated", "FATAL", "IO Error"))
+    try:
+        free = shutil.disk_usage(out).free
     except OSError:
         return False
+    return free < RESERVE_BYTES or (fatal and free < NEARLY_FULL_BYTES)
 
 
 def _end_on_full_disk(store: Store | None, out: Path, reserve: Path | None,
