@@ -73,10 +73,11 @@ class Store:
         """A new session (or the next segment of one); `live`: read while it is written."""
         d = Path(directory)
         path = segment_path(d, segment)
-        if path.exists() or (segment == 0 and segments(d)):
+        if segment == 0:
+            cls.check_new(d)
+        elif path.exists():
             raise KvprofError(f"{d} already holds a session; choose another -o", EX_USAGE)
         try:
-            d.mkdir(parents=True, exist_ok=True)
             # DuckDB's default memory limit is 80 % of RAM, and a writer keeps what it wrote
             # cached up to it: RSS would grow with the recording.
             con = duckdb.connect(str(path), config={
