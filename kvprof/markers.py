@@ -8,16 +8,19 @@
 Each mark is one datagram on a Unix socket (KVPROF_SOCKET, default /run/kvprof/marks.sock)
 carrying this process's CLOCK_MONOTONIC time, so the window is placed where it happened,
 not where it was received. Sending never blocks and never raises: with no profiler
-listening the mark is simply dropped. Imports only the standard library, so an engine can
+listening the mark is simply dropped; with one too busy to keep up, it waits in a backlog
+that a thread sends, and what still cannot be delivered is counted (see `Marker`). Imports only the standard library, so an engine can
 import it on its hot path.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -26,6 +29,8 @@ DEFAULT_SOCKET = "/run/kvprof/marks.sock"
 WIRE_VERSION = 1
 MAX_DATAGRAM = 4096
 PHASES = ("prefill", "decode", "mixed", "idle")
+# Several messages in one datagram: {"v": 1, "batch": [message, ...]}.
+_BATCH_HEAD = b'{"v":%d,"batch":' % WIRE_VERSION
 
 
 def step_phase(prefill_tokens: int, decode_tokens: int) -> str:
@@ -44,19 +49,52 @@ def socket_path(path: str | None = None) -> str:
 
 
 class Marker:
-    """One non-blocking datagram socket, reused for every mark from this process."""
+    """One sender: a socket reused for every mark from this process, and a backlog.
 
-    def __init__(self, path: str | None = None, engine: str = "", source: str = "manual"):
+    The common case is one non-blocking `sendto` on the caller's thread. When the receiver's
+    queue is full (Linux queues only `net.unix.max_dgram_qlen` datagrams per socket: 10 by
+    default, easily reached on a busy box), the message is not dropped: it waits in a bounded
+    backlog that a daemon thread sends, many messages to a datagram, blocking up to
+    `send_timeout_s` for room. Whatever still cannot be delivered while a receiver exists
+    (backlog full, timeout) is counted in `lost`. Every message carries this sender's id and
+    a sequence number, so the receiver counts the holes too: a lost window reaches the
+    session's loss counters, not only this process. With nobody listening (no socket, or
+    refused) messages are dropped and not counted: there is no session to lose them from.
+    """
+
+    backlog_max = 10_000
+
+    def __init__(self, path: str | None = None, engine: str = "", source: str = "manual",
+                 send_timeout_s: float = 1.0):
         self.path = socket_path(path)
         self.engine = engine
         self.source = source
+        self.send_timeout_s = send_timeout_s
+        # Distinct per sender, so the receiver keeps one sequence per Marker even when a
+        # process has several.
+        self.sid = os.urandom(6).hex()
+        self.seq = 0
+        self.lost = 0  # messages a listening receiver never got, as far as this side knows
+        # What the caller had to mark and could not (e.g. an engine step with no timing):
+        # carried in every message, so the receiver counts those too.
+        self.unsent = 0
+        self.last_error: int | None = None  # errno of the last send that failed
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
-        self.last_error: int | None = None  # errno of the last send that failed
+        self._backlog: deque[bytes] = deque()
+        self._wake = threading.Condition(self._lock)
+        self._sending = False  # the backlog thread holds messages not yet sent
+        self._thread: threading.Thread | None = None
 
     def _send(self, msg: dict) -> bool:
-        data = json.dumps(msg, separators=(",", ":")).encode()
         with self._lock:
+            self.seq += 1
+            msg["sid"], msg["seq"] = self.sid, self.seq
+            if self.unsent:
+                msg["unsent"] = self.unsent
+            data = json.dumps(msg, separators=(",", ":")).encode()
+            if self._backlog or self._sending:
+                return self._queue(data)  # keep the order: behind what waits
             try:
                 if self._sock is None:
                     self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -66,9 +104,74 @@ class Marker:
                 return True
             except OSError as e:
                 self.last_error = e.errno
-                # No listener, socket buffer full, or permission denied: the caller is an
-                # inference server and must never stall or fail because of profiling.
+                if e.errno in (errno.EAGAIN, errno.ENOBUFS):
+                    return self._queue(data)
+                # No listener, or not allowed to send: the caller is an inference server
+                # and must never stall or fail because of profiling.
                 return False
+
+    def _queue(self, data: bytes) -> bool:
+        """Under the lock: hand a message to the backlog thread."""
+        if len(self._backlog) >= self.backlog_max:
+            self.lost += 1
+            return False
+        self._backlog.append(data)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._drain, name="kvprof-marker",
+                                            daemon=True)
+            self._thread.start()
+        self._wake.notify()
+        return True
+
+    def _take_batch(self) -> list[bytes]:
+        """Under the lock: as many waiting messages as one datagram holds."""
+        batch: list[bytes] = []
+        size = len(_BATCH_HEAD) + 2
+        while self._backlog and size + len(self._backlog[0]) + 1 <= MAX_DATAGRAM:
+            data = self._backlog.popleft()
+            batch.append(data)
+            size += len(data) + 1
+        if not batch and self._backlog:  # (a message alone over the limit: sent as it is)
+            batch.append(self._backlog.popleft())
+        return batch
+
+    def _drain(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.settimeout(self.send_timeout_s)
+        while True:
+            with self._lock:
+                while not self._backlog:
+                    self._sending = False
+                    self._wake.wait()
+                self._sending = True
+                batch = self._take_batch()
+            data = batch[0] if len(batch) == 1 else \
+                _BATCH_HEAD + b"[" + b",".join(batch) + b"]}"
+            try:
+                sock.sendto(data, self.path)
+            except OSError as e:
+                with self._lock:
+                    self.last_error = e.errno if e.errno is not None else errno.ETIMEDOUT
+                    if e.errno in (errno.ENOENT, errno.ECONNREFUSED):
+                        self._backlog.clear()  # the receiver is gone: nobody to lose them
+                    else:
+                        self.lost += len(batch)
+
+    def skip(self) -> None:
+        """Count one mark the caller could not make; the next message tells the receiver."""
+        with self._lock:
+            self.unsent += 1
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until the backlog is sent (or counted lost); True when it is empty."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if not self._backlog and not self._sending:
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
 
     def _common(self, phase: str, engine: str | None, prefill_tokens: int | None,
                 decode_tokens: int | None) -> dict:
@@ -104,6 +207,8 @@ class Marker:
             self.window(phase, start, time.monotonic_ns(), engine, prefill_tokens, decode_tokens)
 
     def close(self) -> None:
+        """Send what waits (briefly), then close the socket."""
+        self.flush(timeout_s=self.send_timeout_s)
         with self._lock:
             if self._sock is not None:
                 self._sock.close()

@@ -10,6 +10,11 @@ default, --socket-group, --socket-mode), each datagram carries its sender's cred
 list (--allow-sender) and kept with the window, datagrams are size-limited and parsed
 strictly, and a flood is bounded: at most MAX_ENGINES engines open and MAX_PENDING windows
 waiting between flushes; the rest is counted (`marks_dropped`) and dropped.
+
+Senders number their messages (`kvprof.markers.Marker`); a message a sender could not
+deliver leaves a hole in its numbers, counted as `marks_undelivered` with the session's
+other losses, and what a sender could not mark at all (e.g. an engine step vLLM gave no
+timing for) it counts in every message, kept as `marks_unsent`. A backlogged sender packs several messages into one datagram (`batch`).
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.markers import MAX_DATAGRAM, WIRE_VERSION
 
 MAX_ENGINE_LEN = 128
+MAX_SID_LEN = 32
 # A flood of marks (made-up engine names, complete windows) must not grow memory: engines
 # with an open window, and windows waiting for the next flush (every 250 ms).
 MAX_ENGINES = 1024
@@ -54,6 +60,9 @@ class Mark:
     decode_tokens: int | None = None
     sender_pid: int | None = None  # the kernel's word for who sent it (SCM_CREDENTIALS)
     sender_uid: int | None = None
+    sid: str | None = None  # the sending Marker, and its message number (gaps are losses)
+    seq: int | None = None
+    unsent: int = 0  # marks the sender could not make before this one, in all
 
 
 def _int(msg: dict, key: str, required: bool) -> int | None:
@@ -65,14 +74,19 @@ def _int(msg: dict, key: str, required: bool) -> int | None:
     return v
 
 
-def decode(data: bytes) -> Mark:
-    """Parse one datagram; ValueError says why it is malformed."""
+def _load(data: bytes) -> dict:
     if len(data) > MAX_DATAGRAM:
         raise ValueError("datagram too large")
     try:
         msg = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(msg, dict):
+        raise ValueError("not a JSON object")
+    return msg
+
+
+def _parse(msg: object) -> Mark:
     if not isinstance(msg, dict):
         raise ValueError("not a JSON object")
     if msg.get("v") != WIRE_VERSION:
@@ -86,15 +100,71 @@ def decode(data: bytes) -> Mark:
         raise ValueError("bad engine")
     if source not in schema.SOURCE_RANK:
         raise ValueError(f"unknown source {source!r}")
+    sid = msg.get("sid")
+    if sid is not None and (not isinstance(sid, str) or len(sid) > MAX_SID_LEN):
+        raise ValueError("bad sid")
     common = dict(phase=phase, engine=engine, source=source,
                   prefill_tokens=_int(msg, "prefill_tokens", False),
-                  decode_tokens=_int(msg, "decode_tokens", False))
+                  decode_tokens=_int(msg, "decode_tokens", False),
+                  sid=sid, seq=_int(msg, "seq", False), unsent=_int(msg, "unsent", False) or 0)
     if "ts_ns" in msg:
         return Mark(ts_ns=_int(msg, "ts_ns", True), **common)
     start, end = _int(msg, "start_ns", True), _int(msg, "end_ns", True)
     if end <= start:  # type: ignore[operator]
         raise ValueError("end_ns must be after start_ns")
     return Mark(start_ns=start, end_ns=end, **common)
+
+
+def decode(data: bytes) -> Mark:
+    """Parse one single-message datagram; ValueError says why it is malformed."""
+    return _parse(_load(data))
+
+
+def decode_all(data: bytes) -> list[Mark]:
+    """Parse a datagram holding one message or a batch (`{"v": 1, "batch": [...]}`, what a
+    sender's backlog sends). All or nothing: one bad message makes the datagram malformed."""
+    msg = _load(data)
+    if "batch" not in msg:
+        return [_parse(msg)]
+    batch = msg["batch"]
+    if msg.get("v") != WIRE_VERSION or not isinstance(batch, list) or not batch:
+        raise ValueError("bad batch")
+    return [_parse(m) for m in batch]
+
+
+class SenderSequences:
+    """What each sender numbered but this receiver never got (the holes in its sequence
+    between the first and the last message seen), and what it says it could not send at all
+    meanwhile (its `unsent` count, which every message carries). A sender is its Marker's id
+    under the kernel's pid, so a forged id cannot hide another process's holes."""
+
+    def __init__(self) -> None:
+        # first seq, last seq, messages seen, unsent at the first, unsent at the last
+        self._seen: dict[tuple[int | None, str], list[int]] = {}
+        self.untracked = 0
+
+    def add(self, pid: int | None, m: Mark) -> None:
+        if m.sid is None or m.seq is None:
+            return
+        key = (pid, m.sid)
+        s = self._seen.get(key)
+        if s is None:
+            if len(self._seen) >= MAX_ENGINES:
+                self.untracked += 1
+                return
+            self._seen[key] = [m.seq, m.seq, 1, m.unsent, m.unsent]
+            return
+        if m.seq < s[0]:
+            s[0], s[3] = m.seq, m.unsent
+        if m.seq > s[1]:
+            s[1], s[4] = m.seq, m.unsent
+        s[2] += 1
+
+    def lost(self) -> int:
+        return sum(max(0, s[1] - s[0] + 1 - s[2]) for s in self._seen.values())
+
+    def unsent(self) -> int:
+        return sum(max(0, s[4] - s[3]) for s in self._seen.values())
 
 
 class WindowBuilder:
@@ -201,6 +271,7 @@ class MarkServer:
         self.path = Path(path)
         self.allow = frozenset(allow) | {0} if allow else frozenset()
         self.builder = WindowBuilder()
+        self.senders = SenderSequences()
         self.received = 0
         self.malformed = 0
         self.refused = 0
@@ -273,16 +344,18 @@ class MarkServer:
                 self.refused += 1
                 return
             try:
-                m = decode(data)
+                marks = decode_all(data)
             except ValueError:
                 self.malformed += 1
                 return
-            if cred is not None:
-                m = dataclasses.replace(m, sender_pid=cred[0], sender_uid=cred[1])
-            if self.builder.add(m):
-                self._last_phase = m.phase
-                if self._on_phase is not None:
-                    self._on_phase(m.phase)
+            for m in marks:
+                if cred is not None:
+                    m = dataclasses.replace(m, sender_pid=cred[0], sender_uid=cred[1])
+                self.senders.add(m.sender_pid, m)
+                if self.builder.add(m):
+                    self._last_phase = m.phase
+                    if self._on_phase is not None:
+                        self._on_phase(m.phase)
 
     def follow(self, on_phase: Callable[[str], None]) -> None:
         """Call `on_phase` (in the receiving thread) with the phase of every transition mark
@@ -306,7 +379,9 @@ class MarkServer:
         with self._lock:
             return {"marks_malformed": self.malformed,
                     "marks_out_of_order": self.builder.out_of_order,
-                    "marks_refused": self.refused, "marks_dropped": self.builder.dropped}
+                    "marks_refused": self.refused, "marks_dropped": self.builder.dropped,
+                    "marks_undelivered": self.senders.lost(),
+                    "marks_unsent": self.senders.unsent()}
 
     def stop(self, end_ns: int) -> None:
         """Stop listening and close every open window at end_ns."""
