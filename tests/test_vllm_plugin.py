@@ -1,8 +1,9 @@
 """The vLLM stat-logger plugin, loaded the way vLLM loads it, sending to a real marker socket.
 
-vLLM cannot be installed here, so the step statistics are stand-ins with the attribute names
-of vllm/v1/metrics/stats.py (SchedulerStats.iteration_details = SchedulerIterationDetails,
-IterationStats.prompt_token_stats = PromptTokenStats, ...).
+The step statistics here are stand-ins with the attribute names of vllm/v1/metrics/stats.py
+(SchedulerStats.iteration_details = SchedulerIterationDetails, IterationStats.prompt_token_stats
+= PromptTokenStats, ...): they pin the plugin's rules, including failures vLLM cannot be made
+to show. Whether those rules match the real engine is tests/test_vllm_engine.py's question.
 """
 from __future__ import annotations
 
@@ -68,14 +69,14 @@ DRIVER = textwrap.dedent('''
         total: int = 0
 
     class IterationStats:
-        def __init__(self, generated=0, computed=0, firsts=0):
+        def __init__(self, generated=0, computed=0, ttft=(), itl=()):
             self.iteration_timestamp = time.time()
             self.num_generation_tokens = generated
             self.prompt_token_stats = PromptTokenStats(computed=computed, total=computed)
             self.num_preempted_reqs = 0
             self.finished_requests = []
-            self.time_to_first_tokens_iter = [0.05] * firsts
-            self.inter_token_latencies_iter = []
+            self.time_to_first_tokens_iter = list(ttft)
+            self.inter_token_latencies_iter = list(itl)
 
         @property
         def num_prompt_tokens(self):
@@ -98,21 +99,28 @@ DRIVER = textwrap.dedent('''
     log0.log_engine_initialized()
 
     t0 = time.monotonic_ns()
-    log0.record(step(0, 1, 512, 0, 0, 40.0), IterationStats(generated=1, computed=512, firsts=1))
-    log0.record(step(1, 1, 128, 4, 4, 20.0), IterationStats(generated=4))
-    log0.record(step(2, 0, 0, 8, 8, 10.0), IterationStats(generated=8), None, 0)
+    # A prefill step (its length: the time to first token), a mixed one and a decode one
+    # (their length: the inter-token latency of the requests already decoding).
+    log0.record(step(0, 1, 512, 0, 0, 38.0),
+                IterationStats(generated=1, computed=512, ttft=[0.04]))
+    time.sleep(0.021)  # (records come a step apart, as in vLLM)
+    log0.record(step(1, 1, 128, 4, 4, 19.0),
+                IterationStats(generated=5, computed=128, ttft=[0.02], itl=[0.021, 0.02] * 2))
+    time.sleep(0.011)
+    log0.record(step(2, 0, 0, 8, 8, 9.0), IterationStats(generated=8, itl=[0.01] * 8), None, 0)
     log0.record(step(3, 0, 0, 0, 0, 0.0, dummy=True), None)      # DP padding: nothing
     log0.record(step(4, 0, 0, 0, 0, 1.5), IterationStats())     # empty step: nothing
     time.sleep(0.03)
-    # No iteration details (vLLM without --enable-logging-iteration-details): the
-    # IterationStats fallback, and the window reaches back to the previous record().
-    log0.record(SchedulerStats(), IterationStats(generated=6))
+    # No iteration details (vLLM's defaults): tokens and lengths from IterationStats.
+    log0.record(SchedulerStats(), IterationStats(generated=6, itl=[0.012] * 6))
     time.sleep(0.02)
-    log0.record(None, IterationStats(generated=2, computed=300, firsts=2))
+    # Two prefills finished; one waited 0.5 s: the window starts where the last one ended.
+    log0.record(None, IterationStats(generated=2, computed=300, ttft=[0.5, 0.3]))
     log0.record(None, None)
     log0.record(Exploding(), Exploding())                        # must not raise
+    # Only vLLM's elapsed_ms says how long this one was.
     log1.record(step(0, 2, 1000, 3, 3, 25.0), IterationStats(), engine_idx=1)
-    # An engine with no earlier record and no elapsed time: start unknown, no window.
+    # Nothing says how long the step took: no window.
     log1.record(None, IterationStats(generated=5), engine_idx=7)
     log0.log()
     t1 = time.monotonic_ns()
@@ -159,7 +167,11 @@ def test_plugin_discovered_by_entry_point_sends_step_windows(tmp_path, marks):
     marks.stop(time.monotonic_ns())
     table = marks.take()["phase"]
     assert marks.counts() == {"marks_malformed": 0, "marks_out_of_order": 0,
-                              "marks_refused": 0, "marks_dropped": 0}
+                              "marks_refused": 0, "marks_dropped": 0,
+                              "marks_undelivered": 0,
+                              # the empty step (vLLM counts it); the exploding stats
+                              # came after log0's last message, so no message told
+                              "marks_unsent": 1}
     rows = sorted(table.to_pylist(), key=lambda r: (r["engine"], r["end_ns"]))
     got = [(r["engine"], r["phase"], r["prefill_tokens"], r["decode_tokens"]) for r in rows]
     assert got == [
@@ -174,12 +186,14 @@ def test_plugin_discovered_by_entry_point_sends_step_windows(tmp_path, marks):
         assert r["source"] == "hook"
         assert out["t0"] - 100_000_000 <= r["start_ns"] < r["end_ns"] <= out["t1"]
     durations = [r["end_ns"] - r["start_ns"] for r in rows]
-    # Windows with vLLM's elapsed_ms last exactly that long.
-    assert durations[0] == 40_000_000 and durations[1] == 20_000_000
-    assert durations[2] == 10_000_000 and durations[5] == 25_000_000
-    # Fallback windows span from the previous record() of the same engine.
-    assert 30_000_000 <= durations[3] < 1_000_000_000
-    assert 20_000_000 <= durations[4] < 1_000_000_000
+    # Each window as long as vLLM measured that step.
+    assert durations[:4] == [40_000_000, 20_000_000, 10_000_000, 12_000_000]
+    assert durations[5] == 25_000_000
+    # Never before the previous window's end: no overlap, the wait is not prefill time.
+    assert rows[4]["start_ns"] == rows[3]["end_ns"]
+    assert 20_000_000 <= durations[4] < 500_000_000
+    for a, b in zip(rows[:4], rows[1:5]):
+        assert a["end_ns"] <= b["start_ns"]
 
 
 def test_plugin_imports_without_vllm_and_never_raises(tmp_path):
@@ -195,3 +209,35 @@ def test_plugin_imports_without_vllm_and_never_raises(tmp_path):
     logger.log_engine_initialized()
     logger.record_sleep_state(1, 1)
     assert logger.sent == 0
+
+
+def test_a_backed_up_receiver_gets_windows_late_and_counts_those_it_never_got(tmp_path):
+    """The receiver reads nothing for a while (its queue holds net.unix.max_dgram_qlen
+    datagrams): the sender neither blocks its caller nor drops silently. Windows wait in its
+    backlog, are sent many to a datagram once there is room, and those that time out or
+    overflow the backlog are counted on both sides, the same number."""
+    from kvprof.markers import Marker
+
+    server = MarkServer(str(tmp_path / "m.sock"))  # bound, not reading yet
+    m = Marker(str(server.path), engine="e", source="hook", send_timeout_s=0.2)
+    m.backlog_max = 100
+    t = time.monotonic()
+    for i in range(300):
+        m.window("decode", 1000 + 10 * i, 1005 + 10 * i)
+    assert time.monotonic() - t < 0.5  # the caller never waited for the receiver
+    time.sleep(0.6)  # the backlog's sends time out meanwhile
+    server.start()
+    m.window("decode", 10_000, 10_005)  # one after the gap: holes before it are seen
+    assert m.flush(5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with server._lock:
+            if len(server.builder.rows) + m.lost >= 301:
+                break
+        time.sleep(0.05)
+    server.stop(time.monotonic_ns())
+    got = server.take()["phase"].num_rows
+    undelivered = server.counts()["marks_undelivered"]
+    assert m.lost > 0
+    assert undelivered == m.lost
+    assert got + undelivered == 301

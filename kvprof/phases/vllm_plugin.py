@@ -6,26 +6,42 @@ process (AsyncLLM) unless `VLLM_PLUGINS` lists others. Windows go over the marke
 (`kvprof.markers`) to the socket in `KVPROF_SOCKET` (default /run/kvprof/marks.sock), with
 source "hook" and engine `vllm:<engine index>`. With no kvprof listening they are dropped.
 
-What one step's window is, in order of preference:
+What one step's window is (record() runs once per output batch of an engine step, in the
+API-server process, after the batch crossed from the engine core; vLLM's own
+`vllm:iteration_tokens_total` counts the same batches):
 - tokens: `SchedulerStats.iteration_details` (num_ctx_tokens as prefill, num_generation_tokens
-  as decode; vLLM fills it when `--enable-logging-iteration-details` is set), else the
-  `IterationStats` of the same output batch: prompt tokens computed, and generated tokens
-  minus the first tokens of requests that just finished prefill (those belong to prefill);
-- time: end = when record() runs; start = end - iteration_details.elapsed_ms when vLLM
-  measured it, else the previous record() for that engine. The latter covers idle time that
-  preceded the step, so gaps longer than `max_gap_s` are not turned into windows.
-record() runs in the front-end process after the engine core's output crossed the process
-boundary, so windows sit late by that hand-off (typically a millisecond or less).
+  as decode) when vLLM fills it (`--enable-logging-iteration-details`, which also logs a line
+  per step), else the batch's `IterationStats`: the prompt tokens of the requests whose
+  prefill completed (vLLM's `vllm:prompt_tokens_total`), and generated tokens minus the first
+  tokens of those requests (they came out of the prefill pass);
+- end: when the batch reached the API server (`IterationStats.iteration_timestamp`, so the
+  front end's own processing is not counted), on CLOCK_MONOTONIC;
+- length, from what vLLM measured for this very step, with its defaults:
+  * a step that advanced a request already decoding: its inter-token latency, i.e. the
+    engine core's time from the previous step's output to this one's (the same step for
+    every such request: the shortest is taken, a resumed request's is longer);
+  * else (a step that only finished prefills): the longest time to first token, from the
+    request's arrival; a request that waited behind other steps is cut at the previous
+    window's end below;
+  * else the engine's measured `elapsed_ms`, when iteration details are on.
+  A window never starts before the previous window of its engine ended, so windows do not
+  overlap and idle time before a step never becomes part of it.
+Windows go to a `Marker`, which queues what the socket cannot take at once and numbers every
+message, so a window that still cannot be delivered is counted in the session's losses.
 
 vLLM's stat interfaces are not stable (its own docstring says so); every attribute is read
 defensively and nothing raised here reaches vLLM.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from kvprof.markers import Marker, step_phase
+
+# Under vLLM's own logger, so its handlers and level apply and the lines land in its log.
+_log = logging.getLogger("vllm.kvprof")
 
 try:  # vLLM only accepts subclasses of its own base.
     from vllm.v1.metrics.loggers import StatLoggerBase
@@ -62,11 +78,20 @@ def _count(obj: Any, name: str) -> int | None:
     return v
 
 
+def _seconds(values: Any) -> list[float]:
+    """The non-negative finite floats of a list attribute (latencies, in seconds)."""
+    if not isinstance(values, (list, tuple)):
+        return []
+    return [float(v) for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and 0 <= v < 1e6]
+
+
 class KvprofStatLogger(StatLoggerBase):
     """Per-engine stat logger: vLLM builds one per engine with `(vllm_config, engine_index)`."""
 
-    # A step longer than this is rare; a gap longer than this between outputs is idle time.
-    max_gap_s = 5.0
+    # How far back the batch's arrival may lie behind record(); a larger difference is a
+    # clock step (time.time() is the wall clock), not processing time.
+    max_lag_s = 1.0
 
     def __init__(self, vllm_config: Any = None, engine_index: int = 0, **kwargs: Any) -> None:
         # vLLM's base __init__ is abstract and does nothing; not calling it keeps a future
@@ -76,7 +101,15 @@ class KvprofStatLogger(StatLoggerBase):
         self.marker = Marker(engine=f"vllm:{self.engine_index}", source="hook")
         self.sent = 0
         self.errors = 0
-        self._last_ns: dict[int, int] = {}
+        self.skipped: dict[str, int] = {}  # steps with tokens that got no window, by why
+        self._last_end: dict[int, int] = {}
+
+    def _skip(self, why: str) -> None:
+        self.marker.skip()  # the session counts it (marks_unsent): no step lost silently
+        n = self.skipped[why] = self.skipped.get(why, 0) + 1
+        if n == 1:
+            _log.warning("kvprof: an engine step got no phase window (%s); counted, said once",
+                         why)
 
     def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                engine_idx: int = 0, **kwargs: Any) -> None:
@@ -85,10 +118,10 @@ class KvprofStatLogger(StatLoggerBase):
             self._record(scheduler_stats, iteration_stats, engine_idx, now)
         except Exception:  # noqa: BLE001 - profiling must never break serving
             self.errors += 1
-        finally:
-            # Every output batch ends a step, whether or not it made a window.
-            if isinstance(engine_idx, int):
-                self._last_ns[engine_idx] = now
+            self.marker.skip()
+            if self.errors == 1:
+                _log.warning("kvprof: the phase plugin failed on vLLM's stats (said once)",
+                             exc_info=True)
 
     def _record(self, scheduler_stats: Any, iteration_stats: Any, engine_idx: int,
                 now: int) -> None:
@@ -101,11 +134,20 @@ class KvprofStatLogger(StatLoggerBase):
         prefill, decode = tokens
         phase = step_phase(prefill, decode)
         if phase == "idle":
+            if iteration_stats is not None:
+                self._skip("it carried no tokens")
             return
-        start = self._start(details, engine_idx, now)
-        if start is None or start >= now:
+        length = self._length(details, iteration_stats)
+        if length is None:
+            self._skip("vLLM measured no time for it")
             return
-        if self.marker.window(phase, start, now, engine=f"vllm:{engine_idx}",
+        end = self._end(iteration_stats, now)
+        start = max(end - length, self._last_end.get(engine_idx, 0))
+        if start >= end:
+            self._skip("it ended before the previous step did")
+            return
+        self._last_end[engine_idx] = end
+        if self.marker.window(phase, start, end, engine=f"vllm:{engine_idx}",
                               prefill_tokens=prefill, decode_tokens=decode):
             self.sent += 1
 
@@ -119,24 +161,37 @@ class KvprofStatLogger(StatLoggerBase):
         if iteration_stats is None:
             return None
         prompt = getattr(iteration_stats, "prompt_token_stats", None)
-        prefill = _count(prompt, "computed")
+        prefill = _count(prompt, "total")
         if prefill is None:
             prefill = _count(iteration_stats, "num_prompt_tokens") or 0
         generated = _count(iteration_stats, "num_generation_tokens") or 0
         # Each request whose prefill completed in this batch also produced its first token;
         # that token came out of a prefill pass, not a decode step.
-        first = getattr(iteration_stats, "time_to_first_tokens_iter", None)
-        firsts = len(first) if isinstance(first, (list, tuple)) else 0
+        firsts = len(_seconds(getattr(iteration_stats, "time_to_first_tokens_iter", None)))
         return prefill, max(0, generated - firsts)
 
-    def _start(self, details: Any, engine_idx: int, now: int) -> int | None:
+    def _end(self, iteration_stats: Any, now: int) -> int:
+        """When the batch reached the API server, on the monotonic clock."""
+        arrived = getattr(iteration_stats, "iteration_timestamp", None)
+        if isinstance(arrived, float):
+            lag = time.time() - arrived
+            if 0 <= lag <= self.max_lag_s:
+                return now - int(lag * 1e9)
+        return now
+
+    @staticmethod
+    def _length(details: Any, iteration_stats: Any) -> int | None:
+        """The step's length in ns, from what vLLM measured for it (see the module doc)."""
+        itls = _seconds(getattr(iteration_stats, "inter_token_latencies_iter", None))
+        if itls:
+            return int(min(itls) * 1e9)
+        ttfts = _seconds(getattr(iteration_stats, "time_to_first_tokens_iter", None))
+        if ttfts:
+            return int(max(ttfts) * 1e9)
         elapsed = getattr(details, "elapsed_ms", None) if details is not None else None
         if isinstance(elapsed, (int, float)) and not isinstance(elapsed, bool) and elapsed > 0:
-            return now - int(elapsed * 1e6)
-        last = self._last_ns.get(engine_idx)
-        if last is None or now - last > self.max_gap_s * 1e9:
-            return None
-        return last
+            return int(elapsed * 1e6)
+        return None
 
     def log(self) -> None:
         pass
