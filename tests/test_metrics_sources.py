@@ -368,6 +368,8 @@ class FakeVllm:
         self.generation = Counter("vllm:generation_tokens", "gen", labels, registry=reg)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "ttft", labels,
                               buckets=[0.01, 0.1, 1.0], registry=reg)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "itl", labels,
+                             buckets=[0.01, 0.1, 1.0], registry=reg)
         self.running = Gauge("vllm:num_requests_running", "running", labels, registry=reg)
         self.iteration = Histogram("vllm:iteration_tokens_total", "tokens per step", labels,
                                    buckets=[1, 8, 64, 512, 8192], registry=reg)
@@ -387,16 +389,20 @@ class FakeVllm:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def step(self, prompt: int = 0, first: int = 0, decode: int = 0) -> None:
+    def step(self, prompt: int = 0, first: int = 0, decode: int = 0,
+             ttft: float = TICK_S) -> None:
         """One engine step: `first` requests finish a `prompt`-token prefill (each emits its
-        first token), plus `decode` tokens for running requests."""
+        first token `ttft` after it arrived: by default it arrived a tick ago), plus `decode`
+        tokens for running requests (each a tick after that request's last one)."""
         e = (MODEL, "0")
         if prompt:
             self.prompt.labels(*e).inc(prompt)
             for _ in range(first):
-                self.ttft.labels(*e).observe(0.05)
+                self.ttft.labels(*e).observe(ttft)
             self.offload.labels(*e, "GPU_to_CPU").inc(prompt * 2048)
         self.generation.labels(*e).inc(first + decode)
+        for _ in range(decode):
+            self.itl.labels(*e).observe(TICK_S)
         self.iteration.labels(*e).observe(prompt + first + decode)
         if decode:
             self.tier_read.labels(*e, "fs").inc(decode * 4096)
@@ -420,7 +426,7 @@ def test_vllm_windows_follow_the_counters(endpoints, sources):
         Seg("idle", 0.3, enter=eng.set_running(0)),
         # A long chunked prefill: running, nothing counted until the prefill completes.
         Seg("prefill", 0.5, enter=eng.set_running(1)),
-        Seg("prefill", 0.0, lambda: eng.step(prompt=8192, first=1)),
+        Seg("prefill", 0.0, lambda: eng.step(prompt=8192, first=1, ttft=0.5)),
         Seg("decode", 0.4, lambda: eng.step(decode=1)),
         Seg("idle", 0.3, enter=eng.set_running(0)),
     ]
@@ -445,7 +451,9 @@ def test_vllm_windows_follow_the_counters(endpoints, sources):
                      "vllm:kv_offload_total_bytes_total", "vllm:kv_offload_cpu_cache_usage_perc",
                      "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                      "vllm:time_to_first_token_seconds_sum",
-                     "vllm:time_to_first_token_seconds_count"}
+                     "vllm:time_to_first_token_seconds_count",
+                     "vllm:inter_token_latency_seconds_sum",
+                     "vllm:inter_token_latency_seconds_count"}
     reads = [m for m in metrics if m["name"] == "vllm:kv_offload_tiering_read_bytes_total"]
     assert json.loads(reads[0]["labels"]) == {"model_name": MODEL, "engine": "0", "tier": "fs"}
     assert all(a["value"] < b["value"] for a, b in itertools.pairwise(reads))

@@ -21,13 +21,20 @@ What the engines' counters can and cannot say:
 * vLLM (`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, per model_name and engine):
   the prompt counter moves when a request's prefill *completes* (the step that produces its
   first token), not per chunk; intermediate chunks of a chunked prefill add nothing. Prefill
-  windows therefore lag the compute. Two corrections, both from vLLM's own metrics:
+  windows therefore lag the compute, and the running gauge does not help: vLLM sets it when a
+  step's output arrives, so a request that reaches an idle engine shows 0 running for its
+  whole prefill. Three corrections, all from vLLM's own metrics:
   the first token of each request is counted as a generation token in the step that finishes
   its prefill, so decode tokens = Δgeneration - Δ`vllm:time_to_first_token_seconds_count`
   (one observation per first token, recorded in the same step); without this a pure prefill
-  burst would read "mixed". And when `vllm:num_requests_running` > 0 while no counter moves
-  (every running request is still prefilling, or one step outlasts a scrape interval),
-  the quiet span is held; if the next counted
+  burst would read "mixed". The interval in which prefills completed is carved by time
+  (`WindowTrack._carve`): the prefill lasted the mean Δ`time_to_first_token_seconds_sum`
+  per first token and ended the Δ`inter_token_latency_seconds_sum` per running request
+  before the scrape (the decode that followed); it reaches back over quiet intervals, and
+  reads mixed where requests were already decoding. Such windows are placed to within one
+  scrape interval and carry confidence 0.5; their length and tokens are the engine's.
+  When `vllm:num_requests_running` > 0 while no counter moves
+  (one step outlasts a scrape interval), the quiet span is held; if the next counted
   interval is prefill, the prefill window starts where the span started (confidence 0.5 for
   that part); if it continues the window that was open, the span bridges it; otherwise it
   is a gap. `vllm:iteration_tokens_total` is not used: it observes only what the token
@@ -80,6 +87,17 @@ from kvprof.phases.windows import Track
 INFERRED_CONFIDENCE = 0.5
 
 
+@dataclass(frozen=True)
+class Carve:
+    """What the engine measured of the prefills that completed in one scrape interval."""
+    prefill_ns: int  # how long they ran
+    after_ns: int = 0  # decode time after their first tokens, up to the scrape
+    beside: bool = False  # other requests went on decoding meanwhile
+    # One request finished in the interval too: its decode time (last token - first), so
+    # its end is known from where its own prefill ended. None where not exactly one.
+    finished_decode_ns: int | None = None
+
+
 class WindowTrack(Track):
     """The windows of one engine, fed consecutive scrape intervals. Not thread-safe.
 
@@ -91,15 +109,25 @@ class WindowTrack(Track):
         super().__init__("metrics", engine)
         self.counts_are_tokens = counts_are_tokens
         self.busy_since: int | None = None
+        self.last_end = 0  # where the last window ended: later windows start at or after it
+        self.last_first: int | None = None  # where the last carved prefill ended
 
     def close(self, end_ns: int | None = None) -> list[dict]:
         self.busy_since = None
-        return super().close(end_ns)
+        rows = super().close(end_ns)
+        for row in rows:
+            self.last_end = max(self.last_end, row["end_ns"])
+        return rows
 
     def step(self, t0: int, t1: int, prefill: int, decode: int, busy: bool = False,
-             confidence: float = 1.0) -> list[dict]:
+             confidence: float = 1.0, carve: Carve | None = None) -> list[dict]:
+        """Label [t0, t1). Where the engine says how long the prefills that completed in it
+        ran (`carve`), they are carved out by time (see `_carve`)."""
         phase = step_phase(prefill, decode)
         out: list[dict] = []
+        if prefill and carve is not None:
+            self.busy_since = None
+            return self._carve(t0, t1, prefill, decode, carve)
         if phase == "idle":
             if busy:
                 if self.busy_since is None:
@@ -124,6 +152,51 @@ class WindowTrack(Track):
         tokens = (prefill, decode) if self.counts_are_tokens else None
         return out + self.add(phase, t0, t1, confidence, tokens)
 
+    def _carve(self, t0: int, t1: int, prefill: int, decode: int, c: Carve) -> list[dict]:
+        """An interval in which prefills completed, split by what the engine measured.
+
+        The prefill ran for `prefill_ns` and its first tokens came at most `after_ns` (the
+        decode time counted after them) before t1; it reaches back over quiet intervals (an
+        engine that was idle shows no running request until its first step's output
+        arrives) but never before the last window's end, nor before the end of a request
+        that finished in the interval (its decode time after its own first token: one
+        stream's steps do not overlap). Where other requests went on decoding meanwhile
+        (`beside`), the engine batched the prefill with their steps: mixed. The rest of the
+        interval after the first tokens is decode, if any was counted; the last window stays
+        open for the next interval to go on with. These windows are placed to within one
+        scrape interval and carry the inferred confidence; their length and tokens are the
+        engine's."""
+        out: list[dict] = []
+        w = self.open
+        touching = w is not None and w.end_ns == t0
+        # (the requests beside them must have been decoding up to this interval)
+        decoding = c.beside and touching and w.phase in ("decode", "mixed")  # type: ignore[union-attr]
+        floor = max(self.last_end, w.end_ns if w is not None else 0)
+        first = max(t0, t1 - c.after_ns)
+        if c.finished_decode_ns is not None and self.last_first is not None and not decoding:
+            # The request before ended here; this prefill began after it.
+            done = min(t1, self.last_first + c.finished_decode_ns)
+            if touching and w.phase == "decode" and done > t0:  # type: ignore[union-attr]
+                w.extend(t0, done, INFERRED_CONFIDENCE)  # type: ignore[union-attr]
+            floor = max(floor, done)
+            first = max(first, done + c.prefill_ns)
+        first = min(t1, first)
+        start = max(first - c.prefill_ns, floor)
+        if touching and w.phase == ("mixed" if decoding else "prefill"):  # type: ignore[union-attr]
+            start = t0  # the same work went on from the last interval: no gap in between
+        if start >= first:  # (nothing measurable left: the interval as the counters say)
+            return self.add(step_phase(prefill, decode), t0, t1, INFERRED_CONFIDENCE,
+                            (prefill, decode) if self.counts_are_tokens else None)
+        after = bool(decode) and first < t1
+        if w is not None and start > w.end_ns:
+            out += self.close()
+        out += self.add("mixed" if decoding or (decode and not after) else "prefill", start,
+                        first, INFERRED_CONFIDENCE, (prefill, 0 if after else decode))
+        self.last_first = first
+        if after:
+            out += self.add("decode", first, t1, INFERRED_CONFIDENCE, (0, decode))
+        return out
+
 
 # -- the scraper -----------------------------------------------------------------------------
 
@@ -134,6 +207,7 @@ class Reading:
     engine says work is in flight (None when it has no such gauge)."""
     counters: dict[str, float] = field(default_factory=dict)
     busy: bool | None = None
+    running: int | None = None  # requests the engine runs, where it says
 
 
 @dataclass(frozen=True)
@@ -142,6 +216,7 @@ class Step:
     decode: int
     busy: bool = False
     confidence: float = 1.0
+    carve: Carve | None = None  # what the engine measured of the prefills completed in it
 
 
 def _engine_name(base: str, rank: str) -> str:
@@ -222,7 +297,8 @@ class MetricsSource(PhaseSource):
     def read(self, samples: list[Sample]) -> dict[str, Reading]:
         raise NotImplementedError
 
-    def split(self, delta: dict[str, float], now: Reading) -> Step:
+    def split(self, delta: dict[str, float], before: Reading, now: Reading,
+              interval_s: float) -> Step:
         raise NotImplementedError
 
     # -- scraping -------------------------------------------------------------------------------
@@ -304,7 +380,8 @@ class MetricsSource(PhaseSource):
         for engine, now in readings.items():
             # A series first seen during a run started at 0 (client libraries create labelled
             # series on first use); one that vanished reads as 0 and so as a reset.
-            before = prev.get(engine, Reading()).counters
+            last = prev.get(engine, Reading())
+            before = last.counters
             delta = {k: now.counters.get(k, 0.0) - before.get(k, 0.0)
                      for k in set(before) | set(now.counters)}
             track = self._tracks.get(engine)
@@ -315,9 +392,9 @@ class MetricsSource(PhaseSource):
                 self.problem("counter_reset", f"{engine}: {', '.join(backwards)} went back")
                 self._emit_rows(track.close())
                 continue
-            step = self.split(delta, now)
+            step = self.split(delta, last, now, (ts_ns - prev_ts) / 1e9)
             self._emit_rows(track.step(prev_ts, ts_ns, step.prefill, step.decode, step.busy,
-                                       step.confidence))
+                                       step.confidence, step.carve))
 
     def _record_engine_metrics(self, ts_ns: int, samples: list[Sample]) -> None:
         seen: dict[tuple[str, str], float] = {}
@@ -362,6 +439,10 @@ _VLLM_COUNTERS = {
     "vllm:prompt_tokens_total": "prompt",
     "vllm:generation_tokens_total": "generation",
     "vllm:time_to_first_token_seconds_count": "first_tokens",
+    "vllm:time_to_first_token_seconds_sum": "first_token_s",
+    "vllm:inter_token_latency_seconds_sum": "inter_token_s",
+    "vllm:request_success_total": "finished",
+    "vllm:request_decode_time_seconds_sum": "decode_s",
 }
 
 
@@ -387,15 +468,37 @@ class VllmMetrics(MetricsSource):
             r = out.setdefault(self.engine_for(s.labels), Reading())
             if counter is None:
                 r.busy = bool(r.busy) or s.value > 0
+                r.running = (r.running or 0) + int(s.value)
             else:
                 r.counters[counter] = r.counters.get(counter, 0.0) + s.value
         # The TTFT count alone says nothing about phases.
         return {k: r for k, r in out.items()
                 if "prompt" in r.counters or "generation" in r.counters}
 
-    def split(self, delta: dict[str, float], now: Reading) -> Step:
-        decode = _delta(delta, "generation") - _delta(delta, "first_tokens")
-        return Step(_delta(delta, "prompt"), max(0, decode), busy=bool(now.busy))
+    def split(self, delta: dict[str, float], before: Reading, now: Reading,
+              interval_s: float) -> Step:
+        firsts = _delta(delta, "first_tokens")
+        decode = max(0, _delta(delta, "generation") - firsts)
+        prefill = _delta(delta, "prompt")
+        if not (prefill and firsts and "first_token_s" in now.counters):
+            return Step(prefill, decode, busy=bool(now.busy))
+        # How long the prefills that completed here ran: one request's time to first token;
+        # several ran one after another (their sum) unless batched together, and cannot
+        # have begun before the interval by more than the mean. After them came the decode
+        # time per running request (one stream's steps follow each other).
+        first_s = max(0.0, delta.get("first_token_s", 0.0))
+        prefill_s = min(first_s, interval_s + first_s / firsts)
+        # Requests that ran at the last scrape and did not finish since went on decoding
+        # beside these prefills: the engine batched them together (mixed).
+        beside = (before.running or 0) - _delta(delta, "finished")
+        streams = max(1, now.running or 1)
+        finished = _delta(delta, "finished")
+        decode_s = delta.get("decode_s", 0.0)
+        return Step(prefill, decode, busy=bool(now.busy), carve=Carve(
+            prefill_ns=int(prefill_s * 1e9),
+            after_ns=int(max(0.0, delta.get("inter_token_s", 0.0)) / streams * 1e9),
+            beside=beside > 0,
+            finished_decode_ns=int(decode_s * 1e9) if finished == 1 and decode_s >= 0 else None))
 
 
 # -- SGLang ------------------------------------------------------------------------------------
@@ -447,7 +550,8 @@ class SglangMetrics(MetricsSource):
             out[engine] = r
         return out
 
-    def split(self, delta: dict[str, float], now: Reading) -> Step:
+    def split(self, delta: dict[str, float], before: Reading, now: Reading,
+              interval_s: float) -> Step:
         if "rt_prefill" in now.counters or "rt_decode" in now.counters:
             return Step(_delta(delta, "rt_prefill"), _delta(delta, "rt_decode"))
         return Step(_delta(delta, "req_prompt"), _delta(delta, "req_generation"),
@@ -489,7 +593,8 @@ class TgiMetrics(MetricsSource):
             r.counters[key] = r.counters.get(key, 0.0) + s.value
         return {self.engine_of(): r} if r.counters else {}
 
-    def split(self, delta: dict[str, float], now: Reading) -> Step:
+    def split(self, delta: dict[str, float], before: Reading, now: Reading,
+              interval_s: float) -> Step:
         # The forward timings are the per-call record; the inference counter is the older
         # and coarser one, used only where the exporter has no forward histogram.
         which = "forward" if any(k.startswith("forward_") for k in now.counters) else "inference"
