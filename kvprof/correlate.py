@@ -154,8 +154,9 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
         entry.update(_op_entry(nbytes or 0, ios, phases[p]["time_s"]))
         for key, vals in (("latency_us", lat), ("queue_us", queue), ("device_us", dev)):
             entry[key] = {k: float(v) for (k, _), v in zip(schema.QUANTILES, vals)}
+        # (None: a group with no sized request, e.g. only flushes)
         for key, hist in (("size_hist", sizes), ("latency_hist_us", lats)):
-            entry[key] = {str(int(b)): int(n) for b, n in sorted(dict(hist).items())}
+            entry[key] = {str(int(b)): int(n) for b, n in sorted(dict(hist or {}).items())}
 
     _idle(phases, ws, we, wp, [d["name"] for d in info.devices] or got.devices,
           got.islands_of)

@@ -198,10 +198,13 @@ def _small_writes(summary: dict) -> list[Finding]:
     out = []
     for p in schema.PHASES:
         w = summary["phases"][p]["block"]["write"]
+        # Of the writes that carry data: a flush (0 bytes, out of the size histogram) writes
+        # no block at all.
+        sized = sum(w["size_hist"].values())
         small = {b: n for b, n in w["size_hist"].items() if int(b) < physical}
-        if not w["ios"] or 100 * sum(small.values()) / w["ios"] < SMALL_WRITE_PCT:
+        if not sized or 100 * sum(small.values()) / sized < SMALL_WRITE_PCT:
             continue
-        share = 100 * sum(small.values()) / w["ios"]
+        share = 100 * sum(small.values()) / sized
         out.append(Finding("small-writes", p, (
             f"{share:.0f} % of {p}'s block writes are smaller than {dev}'s "
             f"{size_label(physical)} physical block: the device reads and rewrites whole "

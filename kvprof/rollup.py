@@ -80,8 +80,10 @@ def _build(r: Rows, start: int, end: int, phase: str, cell: int, seen: int) -> U
     # Float weights are exact below 2**53 bytes, far above a second of any device.
     nbytes = np.bincount(g, weights=r.bytes, minlength=NGROUPS).astype(np.int64)
     total = r.complete - r.start
-    size_h = np.bincount(g * LOG2_BINS + log2_bucket(r.bytes),
-                         minlength=NGROUPS * LOG2_BINS).reshape(NGROUPS, LOG2_BINS)
+    # Sizes of requests that carry data only (a flush has none), as in SqlRows.
+    size_h = np.bincount(g * LOG2_BINS + log2_bucket(r.bytes), weights=r.bytes > 0,
+                         minlength=NGROUPS * LOG2_BINS).astype(np.int64)
+    size_h = size_h.reshape(NGROUPS, LOG2_BINS)
     lat_h = np.bincount(g * LOG2_BINS + log2_bucket(total / 1e3),
                         minlength=NGROUPS * LOG2_BINS).reshape(NGROUPS, LOG2_BINS)
     values, keys, bounds = [], [], []

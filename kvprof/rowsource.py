@@ -368,7 +368,9 @@ class SqlRows(RowSource):
             SELECT phase, layer, op, count(*), sum(bytes)::UBIGINT,
                    quantile_cont(total_ns / 1e3, {qs}), quantile_cont(queue_ns / 1e3, {qs}),
                    quantile_cont(device_ns / 1e3, {qs}),
-                   histogram(2 ** floor(log2(greatest(bytes, 1)))::UBIGINT),
+                   -- sizes of requests that carry data: a flush has none (the exact
+                   -- tier keeps them in slot 0, which the report leaves out too)
+                   histogram(CASE WHEN bytes > 0 THEN 2 ** floor(log2(bytes))::UBIGINT END),
                    histogram(2 ** floor(log2(greatest(total_ns / 1e3, 1)))::UBIGINT)
             FROM io GROUP BY ALL""", params)
         islands_of, present = self._islands(pieces.t0, pieces.t1, view, pieces.whole)
