@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 from kvprof import system
 from kvprof.errors import KvprofError
@@ -53,9 +55,74 @@ def _gds() -> system.Check:
                         "by default with -p/--cgroup)")
 
 
+def _site_packages(pid: int) -> Path | None:
+    """The site-packages a running Python loaded vLLM from (its mapped .so files say)."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return None
+    m = re.search(r"\s(/\S*/site-packages)/(?:vllm|torch)/", maps)
+    return Path(m.group(1)) if m else None
+
+
+def _has_plugin(site: Path) -> bool:
+    for ep in site.glob("*.dist-info/entry_points.txt"):
+        try:
+            text = ep.read_text()
+        except OSError:
+            continue
+        group = re.search(r"^\[vllm\.stat_logger_plugins\]\n((?:[^\[].*\n?)*)", text, re.M)
+        if group and "kvprof.phases.vllm_plugin" in group.group(1):
+            return True
+    return False
+
+
+def _vllm(proc: Path = Path("/proc")) -> list[system.Check]:
+    """Each running vLLM API server: will kvprof's plugin send it a window per step?"""
+    from kvprof.markers import ENV_SOCKET, socket_path
+    from kvprof.roles import role
+
+    out = []
+    for d in sorted(proc.glob("[0-9]*"), key=lambda p: int(p.name)):
+        try:
+            args = (d / "cmdline").read_bytes().split(b"\0")
+            cmd = b" ".join(args).decode(errors="replace").strip()
+        except OSError:
+            continue
+        if role(cmd) != "vllm API server":
+            continue
+        try:
+            env = dict(kv.split("=", 1) for kv in (d / "environ").read_bytes().decode(
+                errors="replace").split("\0") if "=" in kv)
+        except OSError:
+            env = {}
+        name = f"vllm pid {d.name}"
+        plugins = env.get("VLLM_PLUGINS")
+        site = _site_packages(int(d.name))
+        if b"--disable-log-stats" in args:
+            out.append(system.Check(name, False, "runs with --disable-log-stats: vLLM calls no "
+                                    "stat logger, so kvprof's plugin sends no windows",
+                                    "drop --disable-log-stats, or record with --phases "
+                                    "vllm-metrics=URL", required=False))
+        elif plugins is not None and "kvprof" not in plugins.split(","):
+            out.append(system.Check(name, False, f"VLLM_PLUGINS={plugins} leaves out kvprof's "
+                                    "plugin", "add kvprof to VLLM_PLUGINS", required=False))
+        elif site is not None and not _has_plugin(site):
+            out.append(system.Check(name, False, f"kvprof is not installed in {site}: no "
+                                    "per-step windows", f"pip install kvprof into vLLM's "
+                                    "environment and restart vLLM", required=False))
+        else:
+            sock = socket_path(env.get(ENV_SOCKET))
+            where = "installed" if site is not None else "(where it is installed)"
+            out.append(system.Check(name, True, f"kvprof's plugin {where}: one window per "
+                                    f"engine step, timed by vLLM itself with its default "
+                                    f"flags, to {sock}"))
+    return out
+
+
 def run_doctor() -> int:
     checks = [system.check_privilege(), system.check_tracefs(), *system.check_tracepoints(),
-              _btf(), _bcc(), system.check_headers(), _nvml(), _gds()]
+              _btf(), _bcc(), system.check_headers(), _nvml(), _gds(), *_vllm()]
     for c in checks:
         mark = "ok  " if c.ok else ("FAIL" if c.required else "warn")
         line = f"{mark} {c.name:<20} {c.detail}"

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -114,9 +117,6 @@ def test_second_recorder_on_same_socket_is_refused(start_recorder, tmp_path, loo
 
 
 def test_missing_bcc_names_the_package_to_install():
-    import subprocess
-    import sys
-
     # A venv that cannot see the OS's dist-packages and has no bcc of its own.
     code = ("import sys; sys.path[:] = [p for p in sys.path if 'dist-packages' not in p]\n"
             "import kvprof.capture.bccload as b; b.SYSTEM_DIRS = ()\n"
@@ -133,6 +133,7 @@ def test_doctor_prints_one_line_per_check():
     r = run_kvprof("doctor")
     names = [line.split()[1] for line in r.stdout.splitlines()
              if line[:4] in ("ok  ", "FAIL", "warn")]
+    names = [n for n in names if n != "vllm"]  # one line per running vLLM, if any
     assert names == ["privilege", "tracefs", "tracepoints:block", "tracepoints:io_uring",
                      "tracepoints:syscall", "tracepoints:tcp", "btf", "bcc", "kernel", "nvml",
                      "gds"]
@@ -141,6 +142,23 @@ def test_doctor_prints_one_line_per_check():
     for i, line in enumerate(r.stdout.splitlines()):
         if line.startswith("FAIL"):
             assert "fix:" in r.stdout.splitlines()[i + 1]
+
+
+def test_doctor_says_when_a_running_vllm_will_send_no_windows():
+    """A process that looks like a vLLM API server started with --disable-log-stats (no stat
+    logger at all, so no plugin): doctor names it, says why, and how to fix it."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
+                             "vllm.entrypoints.openai.api_server", "--disable-log-stats"])
+    try:
+        time.sleep(0.2)
+        lines = run_kvprof("doctor").stdout.splitlines()
+    finally:
+        proc.kill()
+        proc.wait()
+    i = next(i for i, line in enumerate(lines) if line.split()[1:3] == ["vllm", "pid"]
+             and line.split()[3] == str(proc.pid))
+    assert lines[i].startswith("warn") and "--disable-log-stats" in lines[i]
+    assert "fix: drop --disable-log-stats" in lines[i + 1]
 
 
 @live

@@ -103,6 +103,10 @@ class KvprofStatLogger(StatLoggerBase):
         self.errors = 0
         self.skipped: dict[str, int] = {}  # steps with tokens that got no window, by why
         self._last_end: dict[int, int] = {}
+        # The one line vLLM's log shows at start: what the plugin does and where it sends.
+        _log.info("kvprof: a phase window per step of engine %d, timed by vLLM's own "
+                  "measurements (no vLLM option needed), to %s", self.engine_index,
+                  self.marker.path)
 
     def _skip(self, why: str) -> None:
         self.marker.skip()  # the session counts it (marks_unsent): no step lost silently
