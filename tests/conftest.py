@@ -235,9 +235,9 @@ def run_kvprof(*args: str, env: dict | None = None, prefix: list[str] | None = N
 def start_recorder(tmp_path):
     started: list[Recorder] = []
 
-    def start(*args: str, name: str = "session") -> Recorder:
+    def start(*args: str, name: str = "session", socket: str | None = None) -> Recorder:
         out = tmp_path / name
-        sock = str(tmp_path / f"{name}.sock")
+        sock = socket or str(tmp_path / f"{name}.sock")
         # Every row: the tests compare the event tier with the kernel's counts (a test of
         # sampling passes its own --event-rate).
         rate = [] if "--event-rate" in args else ["--event-rate", "0"]
