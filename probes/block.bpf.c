@@ -68,9 +68,12 @@ static __always_inline u32 rq_dev(void *rq, u32 *idx)
  * them, so they are reported lost rather than merged into the next request. */
 static __always_inline void forget_unseen(struct kvprof_inflight *s, u64 now)
 {
+    /* A request the filters (-p, --cgroup) leave out was never going to be recorded: its
+     * completion is nobody's loss. */
+    if (s->flags & KVPROF_FL_FILTERED)
+        return;
     kvprof_count(KVPROF_LOST_BLOCK_NOT_SEEN);
-    if (!(s->flags & KVPROF_FL_FILTERED))
-        kvprof_dev_tick(s->dev, s->dev_idx, now, -1);
+    kvprof_dev_tick(s->dev, s->dev_idx, now, -1);
 }
 
 /* A request starts: inserted into a scheduler queue (issue_ns 0 for now) or issued straight
