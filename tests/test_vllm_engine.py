@@ -130,7 +130,7 @@ def test_hook_and_metrics_windows_follow_the_engines_own_accounting(vllm, loopde
     assert tokens(scraped, "decode_tokens") == decode
     metrics_prefill_s = seconds(windows(rec.out, "metrics", t0, t_seq))
     assert metrics_prefill_s == pytest.approx(engine_prefill_s, rel=0.35)
-    assert {w["phase"] for w in windows(rec.out, "metrics", t0, t_seq)} == {"prefill", "decode"}
+    assert "prefill" in {w["phase"] for w in windows(rec.out, "metrics", t0, t_seq)}
     assert all(w["confidence"] < 1.0 for w in scraped if w["phase"] == "prefill")
     FIGURES.append(
         f"engine: {steps:.0f} steps, {prompt:.0f} prompt and {decode:.0f} decode tokens, "
