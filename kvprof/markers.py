@@ -9,8 +9,8 @@ Each mark is one datagram on a Unix socket (KVPROF_SOCKET, default /run/kvprof/m
 carrying this process's CLOCK_MONOTONIC time, so the window is placed where it happened,
 not where it was received. Sending never blocks and never raises: with no profiler
 listening the mark is simply dropped; with one too busy to keep up, it waits in a backlog
-that a thread sends, and what still cannot be delivered is counted (see `Marker`). Imports only the standard library, so an engine can
-import it on its hot path.
+that a thread sends, and what still cannot be delivered is counted (see `Marker`). Imports
+only the standard library, so an engine can import it on its hot path.
 """
 from __future__ import annotations
 

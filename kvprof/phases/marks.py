@@ -14,7 +14,8 @@ waiting between flushes; the rest is counted (`marks_dropped`) and dropped.
 Senders number their messages (`kvprof.markers.Marker`); a message a sender could not
 deliver leaves a hole in its numbers, counted as `marks_undelivered` with the session's
 other losses, and what a sender could not mark at all (e.g. an engine step vLLM gave no
-timing for) it counts in every message, kept as `marks_unsent`. A backlogged sender packs several messages into one datagram (`batch`).
+timing for) it counts in every message, kept as `marks_unsent`. A backlogged sender packs
+several messages into one datagram (`batch`).
 """
 from __future__ import annotations
 

@@ -170,7 +170,8 @@ class WindowTrack(Track):
         w = self.open
         touching = w is not None and w.end_ns == t0
         # (the requests beside them must have been decoding up to this interval)
-        decoding = c.beside and touching and w.phase in ("decode", "mixed")  # type: ignore[union-attr]
+        decoding = c.beside and touching and \
+            w.phase in ("decode", "mixed")  # type: ignore[union-attr]
         floor = max(self.last_end, w.end_ns if w is not None else 0)
         first = max(t0, t1 - c.after_ns)
         if c.finished_decode_ns is not None and self.last_first is not None and not decoding:
@@ -490,14 +491,13 @@ class VllmMetrics(MetricsSource):
         prefill_s = min(first_s, interval_s + first_s / firsts)
         # Requests that ran at the last scrape and did not finish since went on decoding
         # beside these prefills: the engine batched them together (mixed).
-        beside = (before.running or 0) - _delta(delta, "finished")
-        streams = max(1, now.running or 1)
         finished = _delta(delta, "finished")
+        streams = max(1, now.running or 1)
         decode_s = delta.get("decode_s", 0.0)
         return Step(prefill, decode, busy=bool(now.busy), carve=Carve(
             prefill_ns=int(prefill_s * 1e9),
             after_ns=int(max(0.0, delta.get("inter_token_s", 0.0)) / streams * 1e9),
-            beside=beside > 0,
+            beside=(before.running or 0) - finished > 0,
             finished_decode_ns=int(decode_s * 1e9) if finished == 1 and decode_s >= 0 else None))
 
 
