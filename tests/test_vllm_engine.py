@@ -30,10 +30,6 @@ pytestmark = live
 # skip its prefill, and the test would time nothing).
 SEEDS = itertools.count(int(time.time() * 1000) % 10**9)
 
-# What the figures were, printed at the end of each test for the issue notes.
-FIGURES: list[str] = []
-
-
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
     why = vllm_server.unavailable()
@@ -132,12 +128,10 @@ def test_hook_and_metrics_windows_follow_the_engines_own_accounting(vllm, loopde
     assert metrics_prefill_s == pytest.approx(engine_prefill_s, rel=0.35)
     assert "prefill" in {w["phase"] for w in windows(rec.out, "metrics", t0, t_seq)}
     assert all(w["confidence"] < 1.0 for w in scraped if w["phase"] == "prefill")
-    FIGURES.append(
-        f"engine: {steps:.0f} steps, {prompt:.0f} prompt and {decode:.0f} decode tokens, "
-        f"prefill {engine_prefill_s:.3f} s (sequential part); hook: {len(hook)} windows, "
-        f"prefill {hook_prefill_s:.3f} s; metrics: {len(scraped)} windows, prefill "
-        f"{metrics_prefill_s:.3f} s; lost {sum(lost.values())}")
-    print(FIGURES[-1])
+    print(f"engine: {steps:.0f} steps, {prompt:.0f} prompt and {decode:.0f} decode tokens, "
+          f"prefill {engine_prefill_s:.3f} s (sequential part); hook: {len(hook)} windows, "
+          f"prefill {hook_prefill_s:.3f} s; metrics: {len(scraped)} windows, prefill "
+          f"{metrics_prefill_s:.3f} s; lost {sum(lost.values())}")
 
 
 def test_windows_the_plugin_could_not_deliver_reach_the_report(vllm, loopdev, start_recorder):
@@ -166,9 +160,8 @@ def test_windows_the_plugin_could_not_deliver_reach_the_report(vllm, loopdev, st
     text = subprocess.run([sys.executable, "-m", "kvprof", "report", str(rec.out)],
                           capture_output=True, text=True).stdout
     assert f"marks_undelivered {undelivered}" in text
-    FIGURES.append(f"stopped recorder: {steps:.0f} steps, {got} windows arrived, "
-                   f"{undelivered} counted undelivered")
-    print(FIGURES[-1])
+    print(f"stopped recorder: {steps:.0f} steps, {got} windows arrived, "
+          f"{undelivered} counted undelivered")
 
 
 def _journal_writer(directory: str, n: int) -> subprocess.Popen:
@@ -209,9 +202,8 @@ def test_engine_session_with_journal_flushes_has_no_small_write_finding(vllm, st
     assert flushes >= 100, (exact, sized)  # the journal's zero-byte requests were there
     assert not [f for f in report["findings"] if f["rule"] == "small-writes"], \
         report["findings"]
-    FIGURES.append(f"journal session on {dev}: {exact['ios']} block writes, {flushes} without "
-                   "data, no small-writes finding")
-    print(FIGURES[-1])
+    print(f"journal session on {dev}: {exact['ios']} block writes, {flushes} without "
+          "data, no small-writes finding")
 
 
 def test_pid_filter_beside_another_writer_loses_nothing(vllm, start_recorder):
@@ -228,8 +220,7 @@ def test_pid_filter_beside_another_writer_loses_nothing(vllm, start_recorder):
     lost = report["session"]["lost_by_reason"]
     assert sum(lost.values()) == 0, lost
     assert report["phases"]["prefill"]["windows"] >= 1
-    FIGURES.append(f"-p {vllm.pid} beside a writer on {dev}: lost {lost}")
-    print(FIGURES[-1])
+    print(f"-p {vllm.pid} beside a writer on {dev}: lost {lost}")
 
 
 def test_the_engine_and_doctor_say_what_the_plugin_does(vllm):

@@ -28,9 +28,10 @@ What the engines' counters can and cannot say:
   its prefill, so decode tokens = Δgeneration - Δ`vllm:time_to_first_token_seconds_count`
   (one observation per first token, recorded in the same step); without this a pure prefill
   burst would read "mixed". The interval in which prefills completed is carved by time
-  (`WindowTrack._carve`): the prefill lasted the mean Δ`time_to_first_token_seconds_sum`
-  per first token and ended the Δ`inter_token_latency_seconds_sum` per running request
-  before the scrape (the decode that followed); it reaches back over quiet intervals, and
+  (`WindowTrack._carve`): the prefill lasted Δ`time_to_first_token_seconds_sum` (one
+  request's, or several run one after another, at most the interval plus their mean) and
+  ended the Δ`inter_token_latency_seconds_sum` per running request before the scrape (the
+  decode that followed); it reaches back over quiet intervals, and
   reads mixed where requests were already decoding. Such windows are placed to within one
   scrape interval and carry confidence 0.5; their length and tokens are the engine's.
   When `vllm:num_requests_running` > 0 while no counter moves
