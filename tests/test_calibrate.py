@@ -80,9 +80,10 @@ def assert_near_fio(target: str, patterns: tuple[str, ...], size: int = 256 << 2
 def test_a_loop_device_within_15_pct_of_fio_and_its_counts_are_the_kernels(
         loopdev, calibration_store):
     # fio's own writes are data on the device, but ours: --force.
-    # Sequential writes to the raw loop device run 1.2-1.3x faster under calibrate than the
-    # reference fio run in the full suite (1.00-1.04 alone; cause not found yet): compared on
-    # the directory below, where they agree; here the random and pread patterns.
+    # 1 MiB writes to a loop device over /dev/shm are a memory copy whose speed swings between
+    # separate fio processes (4.7-7.6 GB/s in one CI run, the same file, turns interleaved):
+    # no ratio between two runs holds for them. They are held to the exact check below, the
+    # kernel's bytes over fio's own run against fio's count; here the random and pread ones.
     assert_near_fio(f"/dev/{loopdev}", tuple(n for n in QUICK if n != "seq_write_1m"),
                     extra=("--force",))
     got = calibrate(f"/dev/{loopdev}", *QUICK, runtime=1, extra=("--force",))
@@ -115,9 +116,18 @@ def test_a_directory_measures_the_device_under_it_with_a_scratch_file(mounted):
     ref = mnt / "ref.bin"
     subprocess.run(["fio", "--name=lay", f"--filename={ref}", "--rw=write", "--bs=1M",
                     "--size=64M", "--direct=1"], check=True, capture_output=True)
-    got = assert_near_fio(str(mnt), ("rand_read_4k_qd32", "seq_write_1m"), size=64 << 20,
+    got = assert_near_fio(str(mnt), ("rand_read_4k_qd32",), size=64 << 20,
                           extra=("--size", "64M"), fio_target=str(ref))
     assert got["device"]["name"] == dev
+    # Through the file system, the kernel's count under the file equals fio's own: O_DIRECT
+    # overwrites of a laid-out file add no block I/O of their own within a 2 s run.
+    got = calibrate(str(mnt), "seq_write_1m", "rand_read_4k_qd32", runtime=2,
+                    extra=("--size", "64M"))
+    for name, e in got["patterns"].items():
+        assert e["source"] == "kernel"
+        assert e["bytes"] == e["fio"]["bytes"] > 0, name
+        assert e["bandwidth_bytes_per_s"] == pytest.approx(
+            e["fio"]["bandwidth_bytes_per_s"], rel=1e-3), name
     assert all(e["source"] == "kernel" for e in got["patterns"].values())
     assert sorted(mnt.iterdir()) == [mnt / "lost+found", ref], "the scratch file was left"
 
