@@ -63,6 +63,10 @@ def _record_args(p: argparse.ArgumentParser) -> None:
                    help="block and io_uring rows a second kept before the event tier samples "
                         "(1 in 2, 4, ...; every request is still counted exactly); 0: keep "
                         "every one (default: 50000)")
+    p.add_argument("--settle", type=_seconds, default=5, metavar="SECONDS",
+                   help="how long the exact counts wait for the phase sources' windows "
+                        "before a second is folded for good and published on --prometheus "
+                        "(default: 5; at least 2)")
     p.add_argument("--socket", help="marker socket path (default: $KVPROF_SOCKET or "
                                     "/run/kvprof/marks.sock)")
     p.add_argument("--socket-mode", type=_mode, default=0o660, metavar="MODE",
@@ -159,6 +163,16 @@ def _count(text: str) -> int:
         n = -1
     if n < 0:
         raise argparse.ArgumentTypeError(f"not a count: {text!r}")
+    return n
+
+
+def _seconds(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"not a whole number of seconds >= 2: {text!r}")
     return n
 
 
@@ -267,6 +281,7 @@ def cmd_record(args) -> int:
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
                          caches=args.caches, events=args.events, max_size=args.max_size,
                          event_rate=args.event_rate, roll=args.roll,
+                         settle_s=args.settle,
                          prometheus=args.prometheus, socket_mode=args.socket_mode,
                          socket_group=args.socket_group, allow_senders=args.allow_sender,
                          drop_privileges=not args.keep_privileges)
@@ -301,6 +316,7 @@ def cmd_top(args) -> int:
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
                          caches=args.caches, max_size=args.max_size,
                          event_rate=args.event_rate, prometheus=args.prometheus,
+                         settle_s=args.settle,
                          socket_mode=args.socket_mode, socket_group=args.socket_group,
                          allow_senders=args.allow_sender,
                          drop_privileges=not args.keep_privileges)

@@ -1,8 +1,9 @@
 """Per-phase storage numbers: every measure a view shows is computed here, once.
 
 An I/O belongs to the window that contains its issue time; time covered by no window is
-`idle`. Overlapping windows are flattened first: the more exact source wins, and among equals
-the later-starting window. A phase's idle time is its time with no block request in flight,
+`idle`. Overlapping windows are flattened first (`fold.flatten`, the one rule the aggregate
+tier is folded by too): the more exact source wins, and among equals the later-starting
+window. A phase's idle time is its time with no block request in flight,
 also counting requests issued before the window began.
 
 The rows come from a `RowSource` (kvprof/rowsource.py): SQL over the store (the report,
@@ -13,7 +14,6 @@ activity). Reads only.
 """
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 
@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import calibrate, schema
+from kvprof.fold import SLOT_NS, flatten
 from kvprof.intervals import busy_between
 from kvprof.rollup import GRID_NS
 from kvprof.rowsource import IslandsOf, Pieces, RowSource, ViewFilter
@@ -60,43 +61,23 @@ def split_mixed(windows: pa.Table) -> pa.Table:
     return pa.table({c: pa.array(v, windows.schema.field(c).type) for c, v in out.items()})
 
 
-def flatten(windows: pa.Table, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Disjoint (start, end, phase) pieces covering [t0, t1) exactly, gaps labelled idle."""
-    rows = [
-        (max(s, t0), min(e, t1), p, schema.SOURCE_RANK.get(src, 0))
-        for s, e, p, src in zip(windows["start_ns"].to_pylist(), windows["end_ns"].to_pylist(),
-                                windows["phase"].to_pylist(), windows["source"].to_pylist())
-        if min(e, t1) > max(s, t0)
-    ]
-    rows.sort(key=lambda r: r[0])
-    bounds = sorted({t0, t1, *(r[0] for r in rows), *(r[1] for r in rows)})
-    starts, ends, phases = [], [], []
-    heap: list = []  # (-rank, -start, end, phase): best covering window on top
-    i = 0
-    for a, b in zip(bounds, bounds[1:]):
-        while i < len(rows) and rows[i][0] <= a:
-            s, e, p, rank = rows[i]
-            heapq.heappush(heap, (-rank, -s, e, p))
-            i += 1
-        # Lazy deletion: a window that ended is dropped once it reaches the top.
-        while heap and heap[0][2] <= a:
-            heapq.heappop(heap)
-        phase = heap[0][3] if heap else "idle"
-        if phases and phases[-1] == phase and ends[-1] == a:
-            ends[-1] = b
-        else:
-            starts.append(a)
-            ends.append(b)
-            phases.append(phase)
-    return np.array(starts, np.int64), np.array(ends, np.int64), np.array(phases, object)
+def per_second(amount: float, time_s: float) -> float:
+    """A phase's rate: the amount over the phase's time; 0 in a phase that never ran."""
+    return amount / time_s if time_s > 0 else 0.0
+
+
+def idle_pct(busy_s: float, time_s: float) -> float | None:
+    """Time idle %: the share of the phase's time with no request in flight (None: the
+    phase never ran). The report, the fleet and the Prometheus endpoint all use this."""
+    return max(0.0, 100.0 * (1 - busy_s / time_s)) if time_s > 0 else None
 
 
 def _op_entry(bytes_: int, ios: int, time_s: float) -> dict:
     return {
         "bytes": int(bytes_),
         "ios": int(ios),
-        "bandwidth_bytes_per_s": bytes_ / time_s if time_s > 0 else 0.0,
-        "iops": ios / time_s if time_s > 0 else 0.0,
+        "bandwidth_bytes_per_s": per_second(bytes_, time_s),
+        "iops": per_second(ios, time_s),
         "latency_us": {k: None for k, _ in schema.QUANTILES},
         "queue_us": {k: None for k, _ in schema.QUANTILES},
         "device_us": {k: None for k, _ in schema.QUANTILES},
@@ -249,9 +230,11 @@ def _hist_quantiles(hist: np.ndarray, scale: float) -> dict[str, float | None]:
 def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
            info: SessionInfo) -> dict | None:
     """The aggregate tier's figures (every block and io_uring request, counted in the kernel
-    whatever the event tier kept) per phase: the phase kvprof had been told by marks when a
-    request was issued, over whole seconds. None where it does not apply: a process view
-    (the kernel counts devices, not processes) or a session recorded without it."""
+    whatever the event tier kept) per phase, by the window holding each request's issue
+    time as known per 4 ms issue slot (fold.py), over whole seconds; `boundary` says how
+    many requests were in slots a window edge cut, the most that can differ from the events'
+    per-request phase. None where it does not apply: a process view (the kernel counts
+    devices, not processes) or a session recorded without it."""
     if view.tgid is not None or not info.config.get("aggregate"):
         return None
     got = rows.aggregate(pieces.t0, pieces.t1, pieces.whole, view.device)
@@ -261,7 +244,11 @@ def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
     out: dict = {"phases": {p: {**{layer: {} for layer in schema.DEVICE_LAYERS}, "devices": {}}
                             for p in schema.PHASES}, "totals": {}}
     sums: dict[tuple[str, str, str], list] = {}
-    for p, layer, op, ios, nbytes, queue_ns, service_ns, size, queue, service in agg:
+    edge: dict[str, int] | None = None
+    for p, layer, op, ios, nbytes, queue_ns, service_ns, size, queue, service, cut in agg:
+        if cut is not None:
+            edge = edge or {q: 0 for q in schema.PHASES}
+            edge[p] += int(ios) if cut else 0
         acc = sums.setdefault((p, layer, op), [0, 0, 0, 0, 0, 0, 0])
         for i, v in enumerate((ios, nbytes, queue_ns, service_ns)):
             acc[i] += int(v)
@@ -272,8 +259,8 @@ def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
         t = phases[p]["time_s"]
         out["phases"][p][layer][op] = {
             "ios": ios, "bytes": nbytes,
-            "bandwidth_bytes_per_s": nbytes / t if t > 0 else 0.0,
-            "iops": ios / t if t > 0 else 0.0,
+            "bandwidth_bytes_per_s": per_second(nbytes, t),
+            "iops": per_second(ios, t),
             "mean_queue_us": queue_ns / ios / 1e3 if ios else None,
             "mean_service_us": service_ns / ios / 1e3 if ios else None,
             "service_us_below": _hist_quantiles(service, 1e3),
@@ -288,9 +275,19 @@ def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
         t = phases[p]["time_s"]
         out["phases"][p]["devices"][dev] = {
             "busy_s": int(ns) / 1e9,
-            "time_idle_pct": max(0.0, 100.0 * (1 - int(ns) / 1e9 / t)) if t > 0 else None}
-    out["phase_rule"] = ("phase kvprof had been told by marks when the request was issued; "
+            "time_idle_pct": idle_pct(int(ns) / 1e9, t)}
+    if edge is None:  # recorded before schema 15
+        out["phase_rule"] = ("phase kvprof had been told by marks when the request was "
+                             "issued; whole seconds")
+        out["boundary"] = None
+        return out
+    out["phase_rule"] = ("the window holding the request's issue time, per 4 ms issue slot; "
                          "whole seconds")
+    # Requests in slots a window edge cut between their first and last issue, by the phase
+    # they were counted in: each phase's count is within `ios` of the per-request rule.
+    out["boundary"] = {"slot_ns": int(info.config.get("aggregate_slot_ns") or SLOT_NS),
+                       "settle_s": info.config.get("settle_s"),
+                       "ios": sum(edge.values()), "by_phase": edge}
     return out
 
 
@@ -438,7 +435,7 @@ def _caches(phases: dict, rows: list[tuple]) -> None:
         e["bytes"] += int(nbytes)
         e["direct_bytes"] += int(nbytes) if direct else 0
         t = phases[p]["time_s"]
-        e["bandwidth_bytes_per_s"] = e["bytes"] / t if t > 0 else 0.0
+        e["bandwidth_bytes_per_s"] = per_second(e["bytes"], t)
         if op == "read":
             e["device_bytes"] = e.get("device_bytes", 0) + int(dev)
             if not direct:
@@ -486,18 +483,17 @@ def _idle(phases: dict, ws, we, wp, devices: list[str], islands_of: IslandsOf) -
     """Per phase, the share of its time with no block request in flight: per device and on
     all traced devices together. In flight = from insert (or issue, when the request skipped
     the queue) to completion, the span the kernel's io_ticks also covers."""
-    def idle_pct(device: str | None) -> dict[str, float | None]:
+    def idle_of(device: str | None) -> dict[str, float | None]:
         isl_s, isl_e = islands_of(device)
         busy = busy_between(isl_s, isl_e, ws, we)
         out = {}
         for p in schema.PHASES:
             sel = wp == p
-            t = float((we[sel] - ws[sel]).sum())
-            out[p] = 100.0 * (1 - float(busy[sel].sum()) / t) if t > 0 else None
+            out[p] = idle_pct(float(busy[sel].sum()) / NS, float((we[sel] - ws[sel]).sum()) / NS)
         return out
 
-    overall = idle_pct(None)
-    per_dev = {d: idle_pct(d) for d in devices}
+    overall = idle_of(None)
+    per_dev = {d: idle_of(d) for d in devices}
     for p in schema.PHASES:
         phases[p]["block"]["time_idle_pct"] = overall[p]
         phases[p]["block"]["devices"] = {d: {"time_idle_pct": per_dev[d][p]} for d in devices}

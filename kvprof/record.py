@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from kvprof import __version__, caches, calibrate, privileges, schema, system
 from kvprof.devices import Device, queue_limits, resolve
+from kvprof.fold import SLOT_NS, WindowBook
 from kvprof.errors import EX_IOERR, EX_UNAVAILABLE, EX_USAGE, KvprofError
 from kvprof.markers import socket_path
 from kvprof.phases import registry
@@ -53,6 +54,10 @@ class RecordOptions:
     # tier counts those layers (--no-events).
     events: bool = True
     max_size: int | None = None  # bytes on disk at which the recording ends (--max-size)
+    # Seconds the aggregate tier waits for the phase sources' windows before folding a
+    # second for good (and the Prometheus endpoint before publishing it): the vLLM plugin
+    # sends a step's window up to ~1 s after it, a scrape's carve one interval later.
+    settle_s: int = 5
     # Bytes on disk at which the recording goes on in a new segment file (--roll); with
     # max_size, the oldest segments are deleted to stay under it instead of ending.
     roll: int | None = None
@@ -189,7 +194,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                             f"{', '.join(held)}")
                 log(f"kvprof: probes attached; privileges dropped (kept: {kept})")
         store = Store.create(out, live=on_start is not None)
-        marks.follow(capture.set_phase)
+        book = WindowBook(opts.settle_s)
         sampler = Sampler(opts.event_rate if opts.events else 0, capture.set_sampling)
         start_ns = time.monotonic_ns()
         offset = time.time_ns() - time.monotonic_ns()
@@ -212,6 +217,8 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                                   "device_events": opts.events,
                                   "event_rate": opts.event_rate if opts.events else None,
                                   "aggregate": capture.aggregate is not None,
+                                  "aggregate_slot_ns": SLOT_NS,
+                                  "settle_s": opts.settle_s,
                                   "recorder": recorder_identity()}),
             "lost": "{}",
             "sources": "[]",
@@ -237,7 +244,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         if exporter is not None:
             exporter.info = {"version": __version__, "kernel": row["kernel"],
                              "host": row["host"], "session": row["session_id"]}
-            exporter.start_ns = start_ns
+            exporter.start_ns = exporter.settled_ns = start_ns
             log(f"Prometheus metrics on http://{opts.prometheus.rpartition(':')[0] or '*'}:"
                 f"{exporter.port}/metrics")
         log(f"Tracing {'+'.join(opts.layers)} I/O on {'; '.join(where) or 'all processes'}; "
@@ -260,12 +267,12 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                     timeout = min(timeout, max(0.0, deadline - time.monotonic()))
                 if stop.wait(timeout) or (deadline is not None and time.monotonic() >= deadline):
                     break
-                now = _drain(store, capture, feeds, sampler, exporter)
+                now = _drain(store, capture, feeds, sampler, book, exporter)
                 flushes += 1
                 row["end_ns"] = now
                 if opts.roll is not None and \
                         _disk_bytes(out, segment_path(out, segment)) >= opts.roll:
-                    row.update(lost=json.dumps(capture.lost() | marks.counts()))
+                    row.update(lost=json.dumps(capture.lost() | marks.counts() | book.counts()))
                     write_row()
                     store.close()
                     store = None
@@ -283,7 +290,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                         "ending the recording")
                     break
                 if flushes % LOST_EVERY == 0:  # live views show losses while they happen
-                    lost = capture.lost() | marks.counts()
+                    lost = capture.lost() | marks.counts() | book.counts()
                     if exporter is not None:
                         exporter.lost(lost)
                     row.update(lost=json.dumps(lost))
@@ -294,8 +301,8 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             end_ns = time.monotonic_ns()
             for src in feeds:
                 src.stop(end_ns)
-            _drain(store, capture, feeds, sampler, exporter, closed=True)
-            lost = capture.lost() | marks.counts()
+            _drain(store, capture, feeds, sampler, book, exporter, closed=True)
+            lost = capture.lost() | marks.counts() | book.counts()
             row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
                        sources=json.dumps([{"source": str(sp), **_status(src)}
                                            for sp, src in sources]),
@@ -399,17 +406,25 @@ def _end_on_full_disk(store: Store | None, out: Path, reserve: Path | None,
         log(f"kvprof: the session row could not say how the recording ended: {first}")
 
 
-def _drain(store: Store, capture, feeds: tuple, sampler: Sampler, exporter=None,
-           closed: bool = False) -> int:
+def _drain(store: Store, capture, feeds: tuple, sampler: Sampler, book: WindowBook,
+           exporter=None, closed: bool = False) -> int:
     """Move what capture and the phase sources collected into the store (and the Prometheus
     exporter's totals); return the time the open windows were cut at. `closed`: the sources
-    have stopped, no window is open."""
+    have stopped, no window is open. The aggregate tier's settled slots are folded by the
+    windows the sources have sent by now (the same rule as the events'), so they wait
+    `settle_s` for late windows; those still counting are folded as things stand."""
     def keep(table: str, rows) -> None:
+        if rows is None:
+            return
         store.append(table, rows)
         if exporter is not None:
             exporter.rows(table, rows)
 
+    def name(dev: int) -> str:
+        return capture.device(dev).name
+
     taken = capture.take()
+    slots = taken.pop("aggregate", None)
     # One transaction: killed at any moment, the session holds every flush before, whole,
     # and the open tables never overlap the closed ones.
     with store.transaction():
@@ -424,11 +439,27 @@ def _drain(store: Store, capture, feeds: tuple, sampler: Sampler, exporter=None,
         for src in feeds:
             for table, rows in src.take().items():
                 keep(table, rows)
+                if table == "phase":
+                    book.add(rows)
         now = time.monotonic_ns()
         # Open windows are rewritten at every flush so live views see the phase in progress.
         opened = [] if closed else [r for src in feeds for r in src.open_rows(now)]
         store.replace("phase_open", pa.Table.from_pylist(opened, schema=schema.PHASE_OPEN)
                       if opened else None)
+        book.set_open(opened)
+        if slots is not None:
+            agg, busy, until = book.settle(slots["agg"], slots["busy"], now, name, closed)
+            keep("io_agg", agg)
+            keep("device_busy", busy)
+            if exporter is not None:
+                # The phases' time over the span the settled rows cover, for idle ratios
+                # over the same span as their busy time.
+                exporter.settled(book.phase_time(exporter.settled_ns, until), until)
+            # The exporter counts only what is settled.
+            agg, busy = book.provisional(slots["agg_open"], slots["busy_open"], name)
+            store.replace("io_agg_open", agg)
+            store.replace("device_busy_open", busy)
+            book.prune(now)
     if exporter is not None:
         exporter.open_windows(opened, now)
     return now

@@ -166,7 +166,10 @@ def _exact_lines(exact: dict | None) -> list[str]:
     """The aggregate tier: every device-layer request, counted in the kernel."""
     if not exact or not exact["totals"]:
         return []
-    lines = ["", "exact counts (in-kernel, every request; phase as marked at issue):",
+    edge = exact.get("boundary")
+    rule = ("phase of the window at issue, per 4 ms slot" if edge is not None
+            else "phase as marked at issue")
+    lines = ["", f"exact counts (in-kernel, every request; {rule}):",
              f"  {'phase':<9}{'layer':<9}{'op':<6}{'ios':>9}{'bytes':>11}{'MiB/s':>8}"
              f"{'IOPS':>8}{'mean':>8}{'p99<':>8}"]
     for p in schema.PHASES:
@@ -183,4 +186,7 @@ def _exact_lines(exact: dict | None) -> list[str]:
         if ph["devices"]:
             idle = "  ".join(f"{d} {_pct(v['time_idle_pct'])}" for d, v in ph["devices"].items())
             lines.append(f"  {p:<9}time idle: {idle}"[:WIDTH])
+    if edge and edge["ios"]:
+        lines.append(f"  {edge['ios']:,} requests were in slots a window edge cut: each phase's "
+                     f"count is within that of the per-request rule"[:WIDTH])
     return lines

@@ -1,7 +1,7 @@
 """Where correlate's I/O rows come from: the session store (SQL) or the live row cache.
 
 Correlate asks the same few questions of either, over phase pieces (disjoint [start, end)
-spans, each with its phase, from `correlate.flatten`), a time range and a view filter:
+spans, each with its phase, from `fold.flatten`), a time range and a view filter:
 
 - `per_phase`: per (phase, layer, op) counts, bytes, exact quantiles of total, queue and
   device time, log2 histograms of size and latency; the busy islands idle time is read from;
@@ -275,17 +275,23 @@ class SqlRows(RowSource):
         where = ("WHERE " + " AND ".join(conds)) if conds else ""
         # The settled seconds and those still counting at the last flush (a live or killed
         # recording's; sessions before schema 14 have only the first).
-        for agg_t, busy_t in (("(FROM io_agg UNION ALL FROM io_agg_open)",
-                               "(FROM device_busy UNION ALL FROM device_busy_open)"),
-                              ("io_agg", "device_busy")):
+        # Sessions before schema 15 have no boundary column: their phase came from marks.
+        for agg_t, busy_t, edge in (("(FROM io_agg UNION ALL FROM io_agg_open)",
+                                     "(FROM device_busy UNION ALL FROM device_busy_open)",
+                                     "boundary"),
+                                    ("(FROM io_agg UNION ALL FROM io_agg_open)",
+                                     "(FROM device_busy UNION ALL FROM device_busy_open)",
+                                     "NULL"),
+                                    ("io_agg", "device_busy", "NULL")):
             try:
                 agg = self.cur.execute(f"""
                     SELECT phase, layer, op, ios, bytes, queue_ns, service_ns, size_hist,
-                           queue_hist, service_hist FROM {agg_t} {where}""", params).fetchall()
+                           queue_hist, service_hist, {edge} FROM {agg_t} {where}""",
+                                       params).fetchall()
                 busy = self.cur.execute(f"""
                     SELECT phase, dev_name, sum(busy_ns)::UBIGINT FROM {busy_t} {where}
                     GROUP BY ALL ORDER BY ALL""", params).fetchall()
-            except duckdb.CatalogException:
+            except (duckdb.CatalogException, duckdb.BinderException):
                 continue
             return agg, busy
         return None  # recorded before the aggregate tier

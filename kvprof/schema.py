@@ -237,11 +237,13 @@ ENGINE_TOKENS = {"prompt_tokens": ("vllm:prompt_tokens_total", "sglang:prompt_to
 ENGINE_SERIES = frozenset([n for pairs in ENGINE_MEANS.values() for pair in pairs for n in pair]
                           + [n for names in ENGINE_TOKENS.values() for n in names])
 
-# The aggregate tier (probes/kvprof.h, kvprof/capture/aggregate.py): every block and io_uring
-# request counted in the kernel, per completion second, phase, layer, op and device, whatever
-# the event tier kept. The phase is kvprof's current phase (from marks) when the request was
-# issued. Histograms are log2: slot 0 holds the value 0, slot s >= 1 holds [2^(s-1), 2^s),
-# the last slot also everything above.
+# The aggregate tier (probes/kvprof.h, kvprof/capture/aggregate.py, kvprof/fold.py): every
+# block and io_uring request counted in the kernel, per completion second, phase, layer, op
+# and device, whatever the event tier kept. The phase is that of the window holding the
+# request's issue time (fold.flatten, as for events), given per 4 ms issue slot; `boundary`
+# rows are slots a window edge cut between their first and last issue, counted in the phase
+# that held most of that span. Histograms are log2: slot 0 holds the value 0, slot s >= 1
+# holds [2^(s-1), 2^s), the last slot also everything above.
 AGG_SLOTS = 40
 IO_AGG = pa.schema(
     [
@@ -259,11 +261,13 @@ IO_AGG = pa.schema(
         ("size_hist", pa.list_(pa.uint32())),  # bytes
         ("queue_hist", pa.list_(pa.uint32())),  # ns
         ("service_hist", pa.list_(pa.uint32())),  # ns
+        ("boundary", pa.bool_()),  # a window edge lay within the slot's issue span
     ]
 )
 
 # Time each block device had a request in flight, per second and phase (the kernel's io_ticks
-# view, counted in the kernel at every request start and completion).
+# view, counted in the kernel at every request start and completion, laid over the windows
+# per slot by fold.py).
 DEVICE_BUSY = pa.schema(
     [
         ("ts_ns", pa.int64()),
@@ -278,7 +282,7 @@ DEVICE_BUSY = pa.schema(
 # The layout of the tables above, written into every Parquet export (its key-value metadata
 # `kvprof.schema_version`). Raised when a table or column is added; readers take older
 # versions (missing tables empty, missing columns NULL).
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 
 # Every session has these; the others came later and are absent from older recordings.
 CORE_TABLES = ("io", "phase", "session")
@@ -310,6 +314,7 @@ _DUCK = {
     pa.int64(): "BIGINT",
     pa.float64(): "DOUBLE",
     pa.list_(pa.uint32()): "UINTEGER[]",
+    pa.bool_(): "BOOLEAN",
 }
 
 

@@ -94,7 +94,6 @@ static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, 
     s->dev_idx = di;
     s->bytes = KVPROF_FIELD(u32, rq, KVPROF_RQ_DATA_LEN);
     s->done = 0;
-    s->phase = kvprof_phase_now();
     s->layer = KVPROF_LAYER_BLOCK;
     s->flags |= kvprof_start_event(s, id >> 32, (u32)id);
     if (!(flags & KVPROF_FL_FILTERED))
@@ -187,7 +186,7 @@ RAW_TRACEPOINT_PROBE(block_rq_complete)
         e.dev = dev;
         e.error = -(s32)(u8)ctx->args[1];
         e.layer = KVPROF_LAYER_BLOCK;
-        kvprof_agg(KVPROF_LAYER_BLOCK, e.op, dev, kvprof_phase_now(), 0, 0, 0, now);
+        kvprof_agg(KVPROF_LAYER_BLOCK, e.op, dev, now, 0, 0, 0, now);
         kvprof_emit_device(&e);
         return 0;
     }
@@ -214,11 +213,10 @@ RAW_TRACEPOINT_PROBE(block_rq_complete)
     e.layer = KVPROF_LAYER_BLOCK;
     e.sample_shift = s->sample_shift;
     __builtin_memcpy(e.comm, s->comm, sizeof(e.comm));
-    u8 phase = s->phase;
     u32 di = s->dev_idx;
     u64 queue_ns = e.insert_ns && s->issue_ns ? s->issue_ns - e.insert_ns : 0;
     kvprof_release(slot);
-    kvprof_agg(KVPROF_LAYER_BLOCK, e.op, e.dev, phase, e.bytes, queue_ns, now - e.issue_ns, now);
+    kvprof_agg(KVPROF_LAYER_BLOCK, e.op, e.dev, e.issue_ns, e.bytes, queue_ns, now - e.issue_ns, now);
     kvprof_dev_tick(e.dev, di, now, -1);
 #ifndef KVPROF_NO_DEVICE_EVENTS
     if (!(e.flags & KVPROF_FL_UNSAMPLED)) {

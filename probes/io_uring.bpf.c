@@ -36,7 +36,6 @@ RAW_TRACEPOINT_PROBE(io_uring_submit_req)
     s->issue_ns = bpf_ktime_get_ns();
     s->op = op;
     s->opcode = opcode;
-    s->phase = kvprof_phase_now();
     s->layer = KVPROF_LAYER_IO_URING;
     s->flags = kvprof_start_event(s, tgid, (u32)id);
     return 0;
@@ -67,9 +66,8 @@ RAW_TRACEPOINT_PROBE(io_uring_complete)
     e.flags = s->flags;
     e.sample_shift = s->sample_shift;
     __builtin_memcpy(e.comm, s->comm, sizeof(e.comm));
-    u8 phase = s->phase;
     kvprof_release(slot);
-    kvprof_agg(KVPROF_LAYER_IO_URING, e.op, 0, phase, e.bytes, 0, e.complete_ns - e.issue_ns,
+    kvprof_agg(KVPROF_LAYER_IO_URING, e.op, 0, e.issue_ns, e.bytes, 0, e.complete_ns - e.issue_ns,
                e.complete_ns);
     kvprof_emit_device(&e);
     return 0;

@@ -234,24 +234,30 @@ int flush_events(struct bpf_raw_tracepoint_args *ctx)
 }
 
 /* ---- Aggregate tier ----------------------------------------------------------------------
- * Counts, bytes and log2 histograms per (completion second, device, phase, layer, op) in
- * per-CPU maps, and per device the time with a request in flight: exact at any I/O rate,
- * whatever the event ring and its Python consumer manage. User space drains the seconds
- * that are over (schema.IO_AGG, schema.DEVICE_BUSY). The phase is kvprof's current phase
- * (cur_phase, written by user space as marks arrive) when the request was issued. */
+ * Counts, bytes and log2 histograms per (issue slot, completion second, device, layer, op),
+ * and per device the time with a request in flight: exact at any I/O rate,
+ * whatever the event ring and its Python consumer manage. The probes know nothing of phases:
+ * a request is counted under the 4 ms slot its issue time falls in, with the earliest and
+ * latest issue time the slot saw, and user space gives each slot the phase of the window
+ * holding those times once the phase sources have sent their windows (kvprof/fold.py), the
+ * same rule the event tier follows per request. The completion second in the key is what
+ * makes taking a key safe: no probe writes to a second that is over. User space drains the
+ * seconds that are over (schema.IO_AGG, schema.DEVICE_BUSY). */
 #define KVPROF_AGG_SLOTS 40
 #define KVPROF_NS_PER_S 1000000000ULL
+/* A divisor of the second, so every slot lies in one second; kvprof/fold.py's SLOT_NS. */
+#define KVPROF_SLOT_NS 4000000ULL
 #ifndef KVPROF_AGG_ENTRIES
 #define KVPROF_AGG_ENTRIES 16384
 #endif
 
 struct kvprof_agg_key {
+    u64 slot;  /* issue time / KVPROF_SLOT_NS */
     u32 sec;   /* bpf_ktime_get_ns() at completion, in whole seconds */
     u32 dev;   /* block: the device; io_uring: 0 */
-    u8 phase;  /* 0: no phase marked yet; else schema.PHASES index + 1 */
     u8 layer;
     u8 op;
-    u8 pad;
+    u8 pad[6];
 };
 
 struct kvprof_agg_val {
@@ -259,41 +265,56 @@ struct kvprof_agg_val {
     u64 bytes;
     u64 queue_ns;   /* insert -> issue, summed */
     u64 service_ns; /* issue -> completion, summed */
+    /* The earliest and latest issue in the slot, as maxima that a zeroed value starts
+     * from: KVPROF_SLOT_NS - (issue - slot start), and issue - slot start. */
+    u64 first_inv;
+    u64 last;
     /* Slot 0: the value 0; slot s >= 1: [2^(s-1), 2^s); the last slot also everything above. */
     u32 size[KVPROF_AGG_SLOTS];    /* bytes */
     u32 queue[KVPROF_AGG_SLOTS];   /* ns */
     u32 service[KVPROF_AGG_SLOTS]; /* ns */
 };
 
+/* Busy time, by the slot it lies in and the second it was accounted in. `run` 0: pieces
+ * within the slot, with the earliest start and latest end among them (encoded as in
+ * kvprof_agg_val); `run` n > 0: one stretch without a start or completion in it, from the
+ * slot's start on for `ns`, over n slots (a long request alone on the device). */
 struct kvprof_busy_key {
+    u64 slot;
     u32 sec;
     u32 dev;
-    u8 phase;
-    u8 pad[3];
+    u32 run;
+    u32 pad;
+};
+
+struct kvprof_busy_val {
+    u64 ns;
+    u64 first_inv;
+    u64 last;
 };
 
 /* Per device, in one word changed by compare-and-swap: the requests in flight (low 16 bits)
  * and since when the device has been busy without that time being accounted yet (the high
  * 48 bits of the clock in ns: a stretch is always shorter than the 78 hours they wrap in).
- * Busy time is accounted when the device goes idle, and at second and phase boundaries; in
- * between a request's start or completion only counts it in or out. One atomic operation
- * per start and completion (the kernel keeps its own io_ticks the same way, per jiffy):
- * moving the stamp at every request cost a tenth of the device's IOPS at full rate. */
+ * Busy time is accounted when the device goes idle, and at slot boundaries; in between a
+ * request's start or completion only counts it in or out. One atomic operation per start
+ * and completion (the kernel keeps its own io_ticks the same way, per jiffy): moving the
+ * stamp at every request cost a tenth of the device's IOPS at full rate. */
 struct kvprof_dev_state {
     u64 word;
-    u32 phase; /* the phase the busy time since the stamp is counted under */
-    u32 pad;
 };
 #define KVPROF_DEV_N_MASK 0xFFFFULL
 #define KVPROF_STAMP_BITS 48
 #define KVPROF_STAMP_MASK ((1ULL << KVPROF_STAMP_BITS) - 1)
 
-/* Not preallocated: a preallocated per-CPU map takes entries x 512 B on every CPU (1 GiB on a
- * 128-CPU host); these allocate as keys appear, a few per second. */
-BPF_F_TABLE("percpu_hash", struct kvprof_agg_key, struct kvprof_agg_val, agg, KVPROF_AGG_ENTRIES,
+/* Shared maps updated with atomic operations, not per-CPU ones: a key lives ~3 s and a busy
+ * device makes 250 a second per layer and op, and a per-CPU value is allocated on every
+ * possible CPU (~100 MiB on a 128-CPU host; a few MiB shared). Not preallocated: entries
+ * are allocated as keys appear. */
+BPF_F_TABLE("hash", struct kvprof_agg_key, struct kvprof_agg_val, agg, KVPROF_AGG_ENTRIES,
             BPF_F_NO_PREALLOC);
-BPF_PERCPU_ARRAY(agg_zero, struct kvprof_agg_val, 1); /* never written: the initial value */
-BPF_F_TABLE("percpu_hash", struct kvprof_busy_key, u64, busy, KVPROF_AGG_ENTRIES,
+BPF_ARRAY(agg_zero, struct kvprof_agg_val, 1); /* never written: the initial value */
+BPF_F_TABLE("hash", struct kvprof_busy_key, struct kvprof_busy_val, busy, KVPROF_AGG_ENTRIES,
             BPF_F_NO_PREALLOC);
 /* Per device, by a small index the probes give each device the first time they see it
  * (dev_index; kept in block.bpf.c's per-CPU queue cache): an array slot, not a hash lookup,
@@ -329,14 +350,6 @@ static __always_inline u32 kvprof_dev_index(u32 dev)
     idx = dev_index.lookup(&dev);
     return idx ? *idx : KVPROF_MAX_DEVICES;
 }
-BPF_ARRAY(cur_phase, u32, 1);
-
-static __always_inline u8 kvprof_phase_now(void)
-{
-    int zero = 0;
-    u32 *p = cur_phase.lookup(&zero);
-    return p ? (u8)*p : 0;
-}
 
 static __always_inline u32 kvprof_slot(u64 v)
 {
@@ -352,13 +365,31 @@ static __always_inline u32 kvprof_slot(u64 v)
     return s < KVPROF_AGG_SLOTS ? s : KVPROF_AGG_SLOTS - 1;
 }
 
-static __always_inline void kvprof_agg(u8 layer, u8 op, u32 dev, u8 phase, u64 bytes,
+/* *p = max(*p, v), against other CPUs (and a start and a completion nesting on one). */
+static __always_inline void kvprof_max64(u64 *p, u64 v)
+{
+    for (int i = 0; i < 8; i++) {
+        u64 old = *p;
+        if (old >= v || __sync_val_compare_and_swap(p, old, v) == old)
+            return;
+    }
+}
+
+/* hist[s]++ for a u32 histogram, by a 64-bit atomic add on the pair of slots it shares a
+ * word with (bcc's LLVM has no 32-bit atomics; little-endian). A slot's count never carries
+ * into its neighbour: that takes 2^32 requests in one 4 ms slot. */
+static __always_inline void kvprof_hist_inc(u32 *hist, u32 s)
+{
+    __sync_fetch_and_add((u64 *)&hist[s & ~1U], 1ULL << (32 * (s & 1)));
+}
+
+static __always_inline void kvprof_agg(u8 layer, u8 op, u32 dev, u64 issue_ns, u64 bytes,
                                        u64 queue_ns, u64 service_ns, u64 complete_ns)
 {
     struct kvprof_agg_key k = {};
+    k.slot = issue_ns / KVPROF_SLOT_NS;
     k.sec = complete_ns / KVPROF_NS_PER_S;
     k.dev = dev;
-    k.phase = phase;
     k.layer = layer;
     k.op = op;
     int zero = 0;
@@ -370,46 +401,67 @@ static __always_inline void kvprof_agg(u8 layer, u8 op, u32 dev, u8 phase, u64 b
         kvprof_count(KVPROF_LOST_AGG_FULL);
         return;
     }
-    /* Per-CPU values: only this CPU writes this copy, and only the completion programs
-     * write it; those of one layer never nest (the kernel runs a raw tracepoint program
-     * only once per CPU at a time), and the layers' keys differ. */
-    v->ios++;
-    v->bytes += bytes;
-    v->queue_ns += queue_ns;
-    v->service_ns += service_ns;
+    /* Every CPU completing requests of this slot, device, layer and op writes this value. */
+    __sync_fetch_and_add(&v->ios, 1);
+    __sync_fetch_and_add(&v->bytes, bytes);
+    __sync_fetch_and_add(&v->queue_ns, queue_ns);
+    __sync_fetch_and_add(&v->service_ns, service_ns);
+    u64 off = issue_ns - k.slot * KVPROF_SLOT_NS;
+    kvprof_max64(&v->first_inv, KVPROF_SLOT_NS - off);
+    kvprof_max64(&v->last, off);
     u32 s = kvprof_slot(bytes);
     if (s < KVPROF_AGG_SLOTS)
-        v->size[s]++;
+        kvprof_hist_inc(v->size, s);
     s = kvprof_slot(queue_ns);
     if (s < KVPROF_AGG_SLOTS)
-        v->queue[s]++;
+        kvprof_hist_inc(v->queue, s);
     s = kvprof_slot(service_ns);
     if (s < KVPROF_AGG_SLOTS)
-        v->service[s]++;
+        kvprof_hist_inc(v->service, s);
 }
 
-static __always_inline void kvprof_busy_add(u32 dev, u8 phase, u64 from, u64 to)
+static __always_inline void kvprof_busy_put(u64 slot, u32 dev, u32 run, u64 ns, u64 from_off,
+                                            u64 to_off, u64 now)
 {
-    /* Split at second boundaries; a stretch over 8 s (a device busy without a pause and
-     * without a single completion) puts the rest in its last second. */
-    for (int i = 0; i < 8; i++) {
-        if (from >= to)
-            break;
-        u64 sec = from / KVPROF_NS_PER_S;
-        u64 edge = (sec + 1) * KVPROF_NS_PER_S;
-        u64 end = (to < edge || i == 7) ? to : edge;
-        struct kvprof_busy_key k = {};
-        k.sec = (u32)sec;
-        k.dev = dev;
-        k.phase = phase;
-        u64 zero = 0;
-        u64 *b = busy.lookup_or_try_init(&k, &zero);
-        if (b)
-            __sync_fetch_and_add(b, end - from); /* start and completion may nest */
-        else
-            kvprof_count(KVPROF_LOST_AGG_FULL);
-        from = end;
+    struct kvprof_busy_key k = {};
+    k.slot = slot;
+    k.sec = now / KVPROF_NS_PER_S;
+    k.dev = dev;
+    k.run = run;
+    struct kvprof_busy_val zero = {};
+    struct kvprof_busy_val *b = busy.lookup_or_try_init(&k, &zero);
+    if (!b) {
+        kvprof_count(KVPROF_LOST_AGG_FULL);
+        return;
     }
+    __sync_fetch_and_add(&b->ns, ns); /* start and completion may nest */
+    if (!run) {
+        kvprof_max64(&b->first_inv, KVPROF_SLOT_NS - from_off);
+        kvprof_max64(&b->last, to_off);
+    }
+}
+
+/* The device was busy over [from, to), accounted at `now`: the part in `from`'s slot, the
+ * part in the next one (a busy device crosses each slot edge so), and what goes on past that
+ * as one run (a stretch with no start or completion for a whole slot; user space lays it
+ * over the slots it spans). */
+static __always_inline void kvprof_busy_add(u32 dev, u64 from, u64 to, u64 now)
+{
+    if (from >= to)
+        return;
+    u64 slot = from / KVPROF_SLOT_NS;
+    u64 base = slot * KVPROF_SLOT_NS;
+    u64 edge = base + KVPROF_SLOT_NS;
+    u64 end = to < edge ? to : edge;
+    kvprof_busy_put(slot, dev, 0, end - from, from - base, end - base, now);
+    if (to <= edge)
+        return;
+    if (to <= edge + KVPROF_SLOT_NS) {
+        kvprof_busy_put(slot + 1, dev, 0, to - edge, 0, to - edge, now);
+        return;
+    }
+    kvprof_busy_put(slot + 1, dev, (u32)((to - edge + KVPROF_SLOT_NS - 1) / KVPROF_SLOT_NS),
+                    to - edge, 0, 0, now);
 }
 
 /* A request starts (delta 1) or completes (delta -1) on the device (index `di`) at `now`. */
@@ -420,7 +472,6 @@ static __always_inline void kvprof_dev_tick(u32 dev, u32 di, u64 now, s64 delta)
         kvprof_count(KVPROF_LOST_AGG_FULL); /* more than KVPROF_MAX_DEVICES devices */
         return;
     }
-    u8 phase = kvprof_phase_now();
     for (int i = 0; i < 8; i++) {
         u64 w = st->word;
         u64 n = w & KVPROF_DEV_N_MASK;
@@ -428,7 +479,7 @@ static __always_inline void kvprof_dev_tick(u32 dev, u32 di, u64 now, s64 delta)
         if (ago >> (KVPROF_STAMP_BITS - 1))
             ago = 0; /* the stamp is a hair later than our clock read (another CPU) */
         u64 since = now - ago;
-        int edge = since / KVPROF_NS_PER_S != now / KVPROF_NS_PER_S || st->phase != phase;
+        int edge = since / KVPROF_SLOT_NS != now / KVPROF_SLOT_NS;
         u64 fresh = (now & KVPROF_STAMP_MASK) << 16;
         u64 next;
         int busy_until_now = 0;
@@ -456,9 +507,7 @@ static __always_inline void kvprof_dev_tick(u32 dev, u32 di, u64 now, s64 delta)
         if (__sync_val_compare_and_swap(&st->word, w, next) != w)
             continue; /* another CPU changed it first: read it again */
         if (busy_until_now)
-            kvprof_busy_add(dev, st->phase, since, now);
-        if (n == 0 || busy_until_now)
-            st->phase = phase;
+            kvprof_busy_add(dev, since, now, now);
         return;
     }
     kvprof_count(KVPROF_LOST_AGG_FULL);
@@ -495,7 +544,7 @@ struct kvprof_inflight {
     u32 tgid;
     u16 flags;
     u8 op;
-    u8 phase; /* kvprof's phase when the request started (aggregate tier) */
+    u8 pad1;
     u8 opcode;
     u8 layer;
     u8 sample_shift;

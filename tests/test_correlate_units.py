@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from kvprof import schema
-from kvprof.correlate import flatten
+from kvprof.fold import flatten
 from kvprof.intervals import busy_between, busy_islands
 from kvprof.phases.marks import WindowBuilder, decode
 

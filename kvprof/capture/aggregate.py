@@ -1,125 +1,122 @@
-"""The aggregate tier's user side: drains the probes' per-CPU maps into per-second rows.
+"""The aggregate tier's user side: drains the probes' maps as issue-slot rows.
 
-The probes count every block and io_uring request into `agg` (per completion second, device,
-phase, layer, op) and the time each device had a request in flight into `busy` (per second,
-device, phase); see probes/kvprof.h. A second is taken, summed over CPUs and deleted once it
-is SETTLE_S over: no probe writes to it any more, so deleting it cannot drop an update. At
-the end (probes detached) every second is taken. The phase the probes count under is written
-into `cur_phase` here, as marks arrive.
+The probes count every block and io_uring request into `agg` (per issue slot, completion
+second, device, layer, op) and the time each device had a request in flight into `busy` (per
+slot and the second it was accounted in); see probes/kvprof.h. A key is taken and deleted
+once its second is SETTLE_S over: no probe writes to it any more, so deleting it cannot drop
+an update. At the end (probes detached) every key is taken. The rows carry no phase: the
+recorder folds them into io_agg and device_busy rows by the phase windows (kvprof/fold.py,
+which keeps them until the sources' windows have come), and capture knows nothing of phases.
 """
 from __future__ import annotations
 
 import ctypes
+import errno
+import os
 import time
-from collections.abc import Callable
 
 import numpy as np
-import pyarrow as pa
 
-from kvprof import schema
-from kvprof.devices import Device
+from kvprof.fold import AGG_ROW, BUSY_ROW, HIST_SLOTS, SLOT_NS
 
-SLOTS = 40  # KVPROF_AGG_SLOTS
 NS_PER_S = 1_000_000_000
 # Seconds a completion second must be over before it is taken: probes that read the clock
 # in it finish within microseconds (block and io_uring tracepoints run with preemption off).
 SETTLE_S = 2
+# Entries read per batch syscall.
+CHUNK = 1024
 
-# Mirrors struct kvprof_agg_val.
-AGG_DTYPE = np.dtype([("ios", "<u8"), ("bytes", "<u8"), ("queue_ns", "<u8"),
-                      ("service_ns", "<u8"), ("size", "<u4", SLOTS), ("queue", "<u4", SLOTS),
-                      ("service", "<u4", SLOTS)])
-assert AGG_DTYPE.itemsize == 512
+# Mirror struct kvprof_agg_key / _val and kvprof_busy_key / _val.
+AGG_KEY = np.dtype([("slot", "<u8"), ("sec", "<u4"), ("dev", "<u4"), ("layer", "u1"),
+                    ("op", "u1"), ("pad", "V6")])
+AGG_VAL = np.dtype([("ios", "<u8"), ("bytes", "<u8"), ("queue_ns", "<u8"),
+                    ("service_ns", "<u8"), ("first_inv", "<u8"), ("last", "<u8"),
+                    ("size", "<u4", HIST_SLOTS), ("queue", "<u4", HIST_SLOTS),
+                    ("service", "<u4", HIST_SLOTS)])
+BUSY_KEY = np.dtype([("slot", "<u8"), ("sec", "<u4"), ("dev", "<u4"), ("run", "<u4"),
+                     ("pad", "<u4")])
+BUSY_VAL = np.dtype([("ns", "<u8"), ("first_inv", "<u8"), ("last", "<u8")])
+assert (AGG_KEY.itemsize, AGG_VAL.itemsize, BUSY_KEY.itemsize) == (24, 528, 24)
 
 
-def phase_code(phase: str) -> int:
-    """The probes' phase byte: 0 before any mark, else schema.PHASES index + 1."""
-    return schema.PHASES.index(phase) + 1
+def _dump(table, key_dtype: np.dtype, val_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Every key of a hash map and its value, in a few batch syscalls rather than two per key
+    (bcc's lookup batch sizes its buffer by the map's maximum entries)."""
+    from bcc.libbcc import lib  # capture's own import of bcc: loaded by the time we run
+
+    keys = np.zeros(CHUNK, key_dtype)
+    vals = np.zeros(CHUNK, val_dtype)
+    token = ctypes.c_uint32(0)
+    got_k, got_v = [], []
+    first = True
+    while True:
+        n = ctypes.c_uint32(CHUNK)
+        res = lib.bpf_lookup_batch(table.map_fd, None if first else ctypes.byref(token),
+                                   ctypes.byref(token), keys.ctypes.data, vals.ctypes.data,
+                                   ctypes.byref(n))
+        err = ctypes.get_errno()
+        got_k.append(keys[:n.value].copy())
+        got_v.append(vals[:n.value].copy())
+        if res != 0:
+            if err == errno.ENOENT:
+                break
+            raise OSError(err, f"reading the aggregate map: {os.strerror(err)}")
+        first = False
+    return np.concatenate(got_k), np.concatenate(got_v)
 
 
-def phase_name(code: int) -> str:
-    # No window yet is idle, as for the events (DESIGN.md: time in no window is idle).
-    return schema.PHASES[code - 1] if 1 <= code <= len(schema.PHASES) else "idle"
+def _delete(table, keys: np.ndarray) -> None:
+    from bcc.libbcc import lib
+
+    if not len(keys):
+        return
+    keys = np.ascontiguousarray(keys)
+    n = ctypes.c_uint32(len(keys))
+    if lib.bpf_delete_batch(table.map_fd, keys.ctypes.data, ctypes.byref(n)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"clearing the aggregate map: {os.strerror(err)}")
+
+
+def _agg_rows(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(keys), AGG_ROW)
+    for f in ("slot", "sec", "dev", "layer", "op"):
+        out[f] = keys[f]
+    for f in ("ios", "bytes", "queue_ns", "service_ns", "size", "queue", "service"):
+        out[f] = vals[f]
+    out["first"] = SLOT_NS - vals["first_inv"].astype(np.int64)
+    out["last"] = vals["last"]
+    return out
+
+
+def _busy_rows(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(keys), BUSY_ROW)
+    for f in ("slot", "sec", "dev", "run"):
+        out[f] = keys[f]
+    out["ns"] = vals["ns"]
+    out["first"] = SLOT_NS - vals["first_inv"].astype(np.int64)
+    out["last"] = vals["last"]
+    return out
 
 
 class AggregateReader:
-    def __init__(self, bpf, device: Callable[[int], Device]):
+    def __init__(self, bpf):
         self._agg = bpf["agg"]
         self._busy = bpf["busy"]
-        self._phase = bpf["cur_phase"]
-        self._device = device
-        self._ncpu = self._agg.total_cpu
 
-    def set_phase(self, phase: str) -> None:
-        self._phase[ctypes.c_int(0)] = ctypes.c_uint32(phase_code(phase))
-
-    def take(self, final: bool = False) -> dict[str, pa.RecordBatch | None]:
-        """The seconds that are over (all of them when `final`) leave the maps as io_agg and
-        device_busy rows. The seconds still counting are read as they stand, as io_agg_open
-        and device_busy_open rows (None: none), which each flush puts in place of the last
-        ones: a recording killed at any moment keeps its counts up to its last flush."""
+    def take(self, final: bool = False) -> dict[str, np.ndarray]:
+        """The keys whose second is over (all of them when `final`) leave the maps as
+        `agg` and `busy` slot rows; those still counting are read as they stand, as
+        `agg_open` and `busy_open` (the recorder folds them for live views and puts each
+        flush's in place of the last: a recording killed at any moment keeps its counts up
+        to its last flush)."""
         cutoff = None if final else (time.monotonic_ns() // NS_PER_S) - SETTLE_S
-        out: dict[str, pa.RecordBatch | None] = {}
-        for table, m, rows in (("io_agg", self._agg, self._agg_rows),
-                               ("device_busy", self._busy, self._busy_rows)):
-            keys = list(m.keys())
-            over = [k for k in keys if cutoff is None or k.sec <= cutoff]
-            counting = [k for k in keys if cutoff is not None and k.sec > cutoff]
-            if over:
-                out[table] = rows(over)
-                for k in over:
-                    del m[k]
-            out[f"{table}_open"] = rows(counting) if counting else None
+        out: dict[str, np.ndarray] = {}
+        for name, table, kd, vd, rows in (("agg", self._agg, AGG_KEY, AGG_VAL, _agg_rows),
+                                          ("busy", self._busy, BUSY_KEY, BUSY_VAL,
+                                           _busy_rows)):
+            keys, vals = _dump(table, kd, vd)
+            over = np.ones(len(keys), bool) if cutoff is None else keys["sec"] <= cutoff
+            _delete(table, keys[over])
+            out[name] = rows(keys[over], vals[over])
+            out[f"{name}_open"] = rows(keys[~over], vals[~over])
         return out
-
-    def _agg_rows(self, keys: list) -> pa.RecordBatch:
-        rows = []
-        for k in keys:
-            per_cpu = np.frombuffer(self._agg.getvalue(k), AGG_DTYPE, count=self._ncpu)
-            rows.append((k.sec, k.dev, k.phase, k.layer, k.op, per_cpu["ios"].sum(),
-                         per_cpu["bytes"].sum(), per_cpu["queue_ns"].sum(),
-                         per_cpu["service_ns"].sum(), per_cpu["size"].sum(0),
-                         per_cpu["queue"].sum(0), per_cpu["service"].sum(0)))
-        sec, dev, phase, layer, op, ios, nbytes, qns, sns, size, queue, service = zip(*rows)
-        block = np.array(layer) == schema.LAYERS.index(schema.LAYER_BLOCK)
-        cols = {
-            "ts_ns": pa.array(np.array(sec, np.int64) * NS_PER_S),
-            "phase": pa.array([phase_name(p) for p in phase], pa.string()),
-            "layer": pa.array([schema.LAYERS[x] for x in layer], pa.string()),
-            "op": pa.array([schema.OPS[min(o, len(schema.OPS) - 1)] for o in op], pa.string()),
-            **self._dev_cols(dev, ~block),
-            "ios": pa.array(np.array(ios, np.uint64)),
-            "bytes": pa.array(np.array(nbytes, np.uint64)),
-            "queue_ns": pa.array(np.array(qns, np.uint64)),
-            "service_ns": pa.array(np.array(sns, np.uint64)),
-            "size_hist": _hist(size),
-            "queue_hist": _hist(queue),
-            "service_hist": _hist(service),
-        }
-        return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO_AGG],
-                                          schema=schema.IO_AGG)
-
-    def _busy_rows(self, keys: list) -> pa.RecordBatch:
-        sec, dev, phase, ns = zip(*((k.sec, k.dev, k.phase, sum(self._busy.getvalue(k)))
-                                    for k in keys))
-        cols = {
-            "ts_ns": pa.array(np.array(sec, np.int64) * NS_PER_S),
-            "phase": pa.array([phase_name(p) for p in phase], pa.string()),
-            **self._dev_cols(dev, np.zeros(len(dev), bool)),
-            "busy_ns": pa.array(np.array(ns, np.uint64)),
-        }
-        return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.DEVICE_BUSY],
-                                          schema=schema.DEVICE_BUSY)
-
-    def _dev_cols(self, devs: tuple, none: np.ndarray) -> dict[str, pa.Array]:
-        d = np.array(devs, np.uint32)
-        return {"dev_major": pa.array(d >> 20, mask=none),
-                "dev_minor": pa.array(d & 0xFFFFF, mask=none),
-                "dev_name": pa.array([None if n else self._device(int(x)).name
-                                      for x, n in zip(d.tolist(), none.tolist())], pa.string())}
-
-
-def _hist(rows: tuple) -> pa.Array:
-    flat = np.concatenate(rows).astype(np.uint32)
-    return pa.ListArray.from_arrays(pa.array(np.arange(0, len(flat) + 1, SLOTS, dtype=np.int32)),
-                                    pa.array(flat))

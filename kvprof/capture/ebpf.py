@@ -186,19 +186,14 @@ class Capture:
             self.files = FileTable(self._forget, cache_rules)
             self._seed_files()
         self.aggregate: AggregateReader | None = None
-        self._agg_final: dict[str, pa.RecordBatch] = {}
+        self._agg_final: dict[str, np.ndarray] | None = None
         if {"block", "io_uring"} & set(layers):
-            self.aggregate = AggregateReader(self.bpf, self.device)
+            self.aggregate = AggregateReader(self.bpf)
         self._thread = threading.Thread(target=self._drain_loop, name="kvprof-drain", daemon=True)
 
     def set_sampling(self, shift: int) -> None:
         """From now on the event tier keeps 1 in 2**shift device-layer requests."""
         self.bpf["sample_shift"][ctypes.c_int(0)] = ctypes.c_uint32(shift)
-
-    def set_phase(self, phase: str) -> None:
-        """The phase the aggregate tier counts requests issued from now on under."""
-        if self.aggregate is not None and not self._stop.is_set():
-            self.aggregate.set_phase(phase)
 
     def _fill_filters(self) -> None:
         one = ctypes.c_uint8(1)
@@ -349,7 +344,9 @@ class Capture:
         return out
 
     def take(self) -> dict[str, pa.RecordBatch]:
-        """The rows drained since the last call, by table (io, and writeback bios)."""
+        """The rows drained since the last call, by table (io, and writeback bios), and under
+        "aggregate" the aggregate tier's slot rows (AggregateReader.take) for the recorder
+        to fold by the phase windows."""
         # Files whose rows were all in the batches before this: named below, then forgotten.
         closed = self.files.closed_since() if self.files is not None else set()
         batches = [self._held] if len(self._held) else []
@@ -361,10 +358,11 @@ class Capture:
         out = {"process": pa.concat_tables(procs)} if procs else {}
         if self.aggregate is not None:
             if self._stop.is_set():
-                out.update(self._agg_final)  # taken at stop(), before the maps went
-                self._agg_final = {}
+                if self._agg_final is not None:  # taken at stop(), before the maps went
+                    out["aggregate"] = self._agg_final
+                    self._agg_final = None
             else:
-                out.update(self.aggregate.take())
+                out["aggregate"] = self.aggregate.take()
         if not batches:
             if self.files is not None:
                 self.files.forget(closed)
@@ -501,7 +499,7 @@ class Capture:
 # Mirrors struct kvprof_inflight in probes/kvprof.h.
 INFLIGHT_DTYPE = np.dtype([("insert_ns", "<u8"), ("issue_ns", "<u8"), ("cgroup_id", "<u8"),
                            ("dev", "<u4"), ("bytes", "<u4"), ("done", "<u4"), ("pid", "<u4"),
-                           ("tgid", "<u4"), ("flags", "<u2"), ("op", "u1"), ("phase", "u1"),
+                           ("tgid", "<u4"), ("flags", "<u2"), ("op", "u1"), ("pad1", "u1"),
                            ("opcode", "u1"), ("layer", "u1"), ("sample_shift", "u1"),
                            ("pad0", "V1"), ("dev_idx", "<u2"), ("pad", "V2"),
                            ("comm", "S16")])

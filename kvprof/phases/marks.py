@@ -29,7 +29,6 @@ import pwd
 import stat
 import struct
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -276,10 +275,6 @@ class MarkServer:
         self.received = 0
         self.malformed = 0
         self.refused = 0
-        # See follow(): the aggregate tier counts in the kernel under the phase kvprof was
-        # last told.
-        self._on_phase: Callable[[str], None] | None = None
-        self._last_phase: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -353,19 +348,7 @@ class MarkServer:
                 if cred is not None:
                     m = dataclasses.replace(m, sender_pid=cred[0], sender_uid=cred[1])
                 self.senders.add(m.sender_pid, m)
-                if self.builder.add(m):
-                    self._last_phase = m.phase
-                    if self._on_phase is not None:
-                        self._on_phase(m.phase)
-
-    def follow(self, on_phase: Callable[[str], None]) -> None:
-        """Call `on_phase` (in the receiving thread) with the phase of every transition mark
-        taken from now on, and at once with the last one taken before: marks keep arriving
-        while the probes compile."""
-        with self._lock:
-            self._on_phase = on_phase
-            if self._last_phase is not None:
-                on_phase(self._last_phase)
+                self.builder.add(m)
 
     def take(self) -> dict[str, pa.Table]:
         with self._lock:
