@@ -19,9 +19,11 @@ reason; never a pid, a file or a path.
     kvprof_events_lost_total{reason}                    counter
     kvprof_build_info{version,kernel,host,session}      gauge, 1
 
-The phase of the io and busy series is the one kvprof had been told by marks or hooks when
-the request was issued (the kernel's phase, as in `exact`); the idle ratio divides by that
-phase's time (marks and hooks windows, the rest of the session being idle).
+The phase of the io and busy series is that of the window holding the request's issue time,
+folded per issue slot as for the report's `exact` section (kvprof/fold.py). A second is
+published once the recorder has folded it for good, `record --settle` seconds (default 5)
+after it, when the phase sources have sent their windows for it; the idle ratio divides the
+busy time by the phase's time over that same settled span (correlate.idle_pct).
 """
 from __future__ import annotations
 
@@ -37,12 +39,12 @@ from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, Gaug
                                     HistogramMetricFamily)
 
 from kvprof import schema
+from kvprof.correlate import idle_pct
 from kvprof.errors import EX_USAGE, KvprofError
 
 # Latency buckets: the kernel's log2 slots of service time (slot i holds [2^(i-1), 2^i) ns),
 # from 1 µs up; each bucket's bound is its slot's upper end, so every count is exact.
 FIRST_SLOT = 10
-KERNEL_PHASE_SOURCES = ("manual", "hook")
 
 
 class _Server(socketserver.ThreadingMixIn, WSGIServer):
@@ -78,6 +80,8 @@ class Exporter:
         self._closed: dict[tuple[str, str], int] = {}  # (phase, source) -> ns of closed windows
         self._open: dict[tuple[str, str], int] = {}  # the same of the open ones, last cut
         self._lost: dict[str, int] = {}
+        self._settled: dict[str, int] = {p: 0 for p in schema.PHASES}  # phase time folded
+        self.settled_ns = time.monotonic_ns()  # ... up to here
         self.start_ns = time.monotonic_ns()
         self._now_ns = self.start_ns
         self.server = None
@@ -139,6 +143,14 @@ class Exporter:
             self._open = opened
             self._now_ns = now_ns
 
+    def settled(self, phase_ns: dict[str, int], until_ns: int) -> None:
+        """The phases' time from the last settled point to `until_ns`, which the io and busy
+        rows fed so far cover."""
+        with self._lock:
+            for p, ns in phase_ns.items():
+                self._settled[p] += ns
+            self.settled_ns = max(self.settled_ns, until_ns)
+
     def lost(self, counts: dict[str, int]) -> None:
         with self._lock:
             self._lost = dict(counts)
@@ -170,7 +182,7 @@ class Exporter:
             busy, lost = dict(self._busy), dict(self._lost)
             phase_ns = {k: self._closed.get(k, 0) + self._open.get(k, 0)
                         for k in set(self._closed) | set(self._open)}
-            elapsed = max(0, self._now_ns - self.start_ns)
+            settled = dict(self._settled)
         labels = ["phase", "op", "layer", "device"]
         nbytes = CounterMetricFamily("kvprof_io_bytes", "Bytes of block and io_uring requests "
                                      "completed, per phase at issue (exact, in-kernel)",
@@ -197,17 +209,14 @@ class Exporter:
         for (p, src), ns in sorted(phase_ns.items()):
             ps.add_metric([p, src], ns / 1e9)
         yield ps
-        # The kernel's phase time: marks and hooks windows, the rest of the session idle.
-        kernel = {p: sum(ns for (q, src), ns in phase_ns.items()
-                         if q == p and src in KERNEL_PHASE_SOURCES) for p in schema.PHASES}
-        kernel["idle"] += max(0, elapsed - sum(kernel.values()))
         idle = GaugeMetricFamily("kvprof_storage_idle_ratio", "Share of the phase's time with "
-                                 "no block request in flight on the device",
+                                 "no block request in flight on the device (settled seconds)",
                                  labels=["phase", "device"])
         for dev in sorted({d for _, d in busy}):
             for p in schema.PHASES:
-                if kernel[p] > 0:
-                    idle.add_metric([p, dev], max(0.0, 1 - busy.get((p, dev), 0) / kernel[p]))
+                pct = idle_pct(busy.get((p, dev), 0) / 1e9, settled[p] / 1e9)
+                if pct is not None:
+                    idle.add_metric([p, dev], pct / 100)
         yield idle
         lo = CounterMetricFamily("kvprof_events_lost", "Events kvprof could not record, by "
                                  "reason", labels=["reason"])

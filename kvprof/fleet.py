@@ -13,7 +13,7 @@ from pathlib import Path
 import duckdb
 
 from kvprof import schema
-from kvprof.correlate import MAIN_OPS, summarize
+from kvprof.correlate import MAIN_OPS, idle_pct, per_second, summarize
 from kvprof.errors import EX_NOINPUT, KvprofError
 from kvprof.rowsource import SqlRows
 from kvprof.store import load_parquet, unreadable
@@ -61,11 +61,11 @@ def _add(acc: dict, ph: dict) -> None:
 
 def _rates(acc: dict) -> None:
     t = acc["time_s"]
-    acc["time_idle_pct"] = 100 * (1 - acc["busy_s"] / t) if t > 0 else None
+    acc["time_idle_pct"] = idle_pct(acc["busy_s"], t)
     for layer in LAYERS:
         for e in acc[layer].values():
-            e["bandwidth_bytes_per_s"] = e["bytes"] / t if t > 0 else 0.0
-            e["iops"] = e["ios"] / t if t > 0 else 0.0
+            e["bandwidth_bytes_per_s"] = per_second(e["bytes"], t)
+            e["iops"] = per_second(e["ios"], t)
 
 
 def fleet_summary(root: str | Path) -> dict:
