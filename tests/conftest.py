@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import contextlib
 import os
 import shutil
 import signal
@@ -146,10 +147,10 @@ def settle(dev: str, quiet_s: float = 0.3, timeout_s: float = 10) -> list[int]:
     return last
 
 
-@pytest.fixture
-def loopdev(tmp_path):
+@contextlib.contextmanager
+def private_loop(tmp_path, tag: str = ""):
     """A private loop device over a sparse file in /dev/shm; yields its name (loopN)."""
-    backing = Path(f"/dev/shm/kvprof-test-{os.getpid()}-{tmp_path.name}.img")
+    backing = Path(f"/dev/shm/kvprof-test-{os.getpid()}-{tmp_path.name}{tag}.img")
     with open(backing, "wb") as f:
         f.truncate(256 << 20)
     dev = subprocess.run(["losetup", "--find", "--show", str(backing)], check=True,
@@ -159,6 +160,19 @@ def loopdev(tmp_path):
     finally:
         subprocess.run(["losetup", "-d", dev], check=False)
         backing.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def loopdev(tmp_path):
+    with private_loop(tmp_path) as dev:
+        yield dev
+
+
+@pytest.fixture
+def loopdev2(tmp_path):
+    """A second one, for load beside the one recorded."""
+    with private_loop(tmp_path, "-2") as dev:
+        yield dev
 
 
 def aligned(size: int) -> mmap.mmap:

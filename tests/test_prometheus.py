@@ -102,8 +102,9 @@ def test_prometheus_scrapes_the_reports_per_phase_totals(loopdev, start_recorder
     run_kvprof("mark", "decode", "--socket", rec.socket)
     direct_random_reads(loopdev, 4000, 48 << 20)
     run_kvprof("mark", "idle", "--socket", rec.socket)
-    # The kernel's seconds reach the recorder ~2 s after they end; then one scrape more.
-    time.sleep(3.5)
+    # A second is folded by the windows and published `--settle` (5) s after it ends, at
+    # the next flush; then one scrape more.
+    time.sleep(5 + 1.5)
     stamp = time.time()
     wait_for(lambda: float(promql(url, "timestamp(kvprof_build_info)")[0]["value"][1]) > stamp,
              10, "a scrape after the I/O")

@@ -68,3 +68,9 @@ def test_fpm_windows_attribute_loop_device_io(loopdev, start_recorder, tmp_path)
     assert_kernel_count(dec["read"]["ios"], stat_delta(s1, s2)[READ_IOS], report)
     assert_kernel_count(pre["read"]["ios"], stat_delta(s0, s1)[READ_IOS], report)
     assert dec["write"]["ios"] == 0
+    # The exact tier follows the same windows, which arrived after their I/O: here to the
+    # request, since no issue slot held both phases' requests.
+    exact = report["exact"]["phases"]
+    assert exact["prefill"]["block"]["write"]["ios"] == pre["write"]["ios"]
+    assert exact["decode"]["block"]["read"]["ios"] == dec["read"]["ios"] == 800
+    assert report["exact"]["boundary"]["ios"] == 0

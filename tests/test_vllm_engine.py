@@ -134,6 +134,99 @@ def test_hook_and_metrics_windows_follow_the_engines_own_accounting(vllm, loopde
           f"{metrics_prefill_s:.3f} s; lost {sum(lost.values())}")
 
 
+def _background_reads(loopdev: str, seconds: float) -> subprocess.Popen:
+    """A steady read load beside the engine: 4 KiB random reads at 1500 a second, so that
+    every phase window, and every edge between them, has I/O in it."""
+    return subprocess.Popen(["fio", "--name=bg", f"--filename=/dev/{loopdev}", "--rw=randread",
+                             "--bs=4k", "--ioengine=io_uring", "--iodepth=2", "--direct=1",
+                             "--rate_iops=1500", "--time_based", f"--runtime={seconds:g}",
+                             "--size=64M"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def _scrape_ops(port: int) -> dict[str, int]:
+    """kvprof_io_ops_total of the block layer per phase, from the recorder's endpoint."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    out: dict[str, int] = {}
+    for fam in text_string_to_metric_families(text.decode()):
+        for s in fam.samples:
+            if s.name == "kvprof_io_ops_total" and s.labels["layer"] == "block":
+                out[s.labels["phase"]] = out.get(s.labels["phase"], 0) + int(s.value)
+    return out
+
+
+def _exact_against_events(report: dict) -> dict:
+    """Per phase, the exact section's block reads against the event tier's (every request,
+    each by its own issue time): equal within the requests the exact section says were in
+    slots a window edge cut."""
+    exact, edge = report["exact"]["phases"], report["exact"]["boundary"]
+    figures = {p: (exact[p]["block"].get("read", {}).get("ios", 0),
+                   report["phases"][p]["block"]["read"]["ios"]) for p in exact}
+    for p, (ex, ev) in figures.items():
+        assert abs(ex - ev) <= edge["ios"], (p, figures, edge)
+    assert sum(ex for ex, _ in figures.values()) == sum(ev for _, ev in figures.values())
+    return figures
+
+
+def test_the_exact_tier_and_prometheus_follow_the_plugins_windows(vllm, loopdev,
+                                                                  start_recorder):
+    """The plugin's windows arrive after their steps; the exact counts and the Prometheus
+    endpoint follow them all the same, as the events do (one rule for the phase of an I/O)."""
+    import socket as sk
+
+    with sk.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rec = start_recorder("-d", loopdev, "--phases", "vllm-plugin", "--prometheus",
+                         f"127.0.0.1:{port}", socket=vllm.marks_socket)
+    load = _background_reads(loopdev, 60)
+    time.sleep(1)
+    for _ in range(2):
+        vllm.complete(1500, 24, next(SEEDS))
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda s: vllm.complete(600, 32, s), [next(SEEDS) for _ in range(3)]))
+    time.sleep(0.5)
+    load.terminate()
+    load.wait()
+    # Every second is folded and published `--settle` (5) s after it, at a flush.
+    time.sleep(5 + 2.5)
+    scraped = _scrape_ops(port)
+    assert rec.stop() == 0
+    report = rec.report()
+    figures = _exact_against_events(report)
+    exact = report["exact"]["phases"]
+    assert exact["prefill"]["block"]["read"]["ios"] > 0
+    assert exact["decode"]["block"]["read"]["ios"] > 0
+    assert scraped == {p: e["block"]["read"]["ios"] for p, e in exact.items()
+                       if e["block"].get("read", {}).get("ios")}, (scraped, figures)
+    idle = {p: exact[p]["devices"][loopdev]["time_idle_pct"] for p in ("prefill", "decode")}
+    print(f"exact vs events per phase {figures}; boundary {report['exact']['boundary']}; "
+          f"Prometheus {scraped}; exact time idle {idle}")
+
+
+def test_a_metrics_only_session_has_its_phases_in_the_exact_tier(vllm, loopdev, start_recorder):
+    """No plugin, only the scrape: its windows come a scrape or more after the time they
+    cover, and the exact counts follow them."""
+    rec = start_recorder("-d", loopdev, "--phases", f"vllm-metrics={vllm.url}/metrics")
+    load = _background_reads(loopdev, 60)
+    time.sleep(1)
+    for _ in range(2):
+        vllm.complete(1500, 32, next(SEEDS))
+    time.sleep(0.5)
+    load.terminate()
+    load.wait()
+    assert rec.stop() == 0
+    report = rec.report()
+    figures = _exact_against_events(report)
+    assert figures["prefill"][0] > 0 and figures["decode"][0] > 0, figures
+    print(f"metrics-only: exact vs events per phase {figures}; "
+          f"boundary {report['exact']['boundary']}")
+
+
 def test_windows_the_plugin_could_not_deliver_reach_the_report(vllm, loopdev, start_recorder):
     """The recorder stopped (SIGSTOP) while the engine steps: the plugin's sends back up, wait,
     then time out. What never arrived is counted, exactly."""
