@@ -29,14 +29,14 @@ CHUNK = 1024
 # Mirror struct kvprof_agg_key / _val and kvprof_busy_key / _val.
 AGG_KEY = np.dtype([("slot", "<u8"), ("sec", "<u4"), ("dev", "<u4"), ("layer", "u1"),
                     ("op", "u1"), ("pad", "V6")])
-AGG_VAL = np.dtype([("ios", "<u8"), ("bytes", "<u8"), ("queue_ns", "<u8"),
+AGG_VAL = np.dtype([("bytes", "<u8"), ("queue_ns", "<u8"),
                     ("service_ns", "<u8"), ("first_inv", "<u8"), ("last", "<u8"),
                     ("size", "<u4", HIST_SLOTS), ("queue", "<u4", HIST_SLOTS),
                     ("service", "<u4", HIST_SLOTS)])
 BUSY_KEY = np.dtype([("slot", "<u8"), ("sec", "<u4"), ("dev", "<u4"), ("run", "<u4"),
                      ("pad", "<u4")])
 BUSY_VAL = np.dtype([("ns", "<u8"), ("first_inv", "<u8"), ("last", "<u8")])
-assert (AGG_KEY.itemsize, AGG_VAL.itemsize, BUSY_KEY.itemsize) == (24, 528, 24)
+assert (AGG_KEY.itemsize, AGG_VAL.itemsize, BUSY_KEY.itemsize) == (24, 520, 24)
 
 
 def _dump(table, key_dtype: np.dtype, val_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -81,8 +81,9 @@ def _agg_rows(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
     out = np.zeros(len(keys), AGG_ROW)
     for f in ("slot", "sec", "dev", "layer", "op"):
         out[f] = keys[f]
-    for f in ("ios", "bytes", "queue_ns", "service_ns", "size", "queue", "service"):
+    for f in ("bytes", "queue_ns", "service_ns", "size", "queue", "service"):
         out[f] = vals[f]
+    out["ios"] = vals["size"].sum(axis=1)  # every request is in the size histogram
     out["first"] = SLOT_NS - vals["first_inv"].astype(np.int64)
     out["last"] = vals["last"]
     return out
