@@ -12,7 +12,6 @@ tree's venv.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import statistics
@@ -22,16 +21,12 @@ import tempfile
 from pathlib import Path
 
 from loopdev import loop_device
+from overhead import JOBS, fio_iops
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def fio(dev: str, runtime: int) -> float:
-    out = subprocess.run(["fio", "--name=b", f"--filename={dev}", "--rw=randread", "--bs=4k",
-                          "--direct=1", "--time_based", f"--runtime={runtime}", "--size=128M",
-                          "--output-format=json", "--ioengine=io_uring", "--iodepth=32"],
-                         check=True, capture_output=True, text=True).stdout
-    return json.loads(out)["jobs"][0]["read"]["iops"]
+JOB = JOBS["io_uring QD32"]
 
 
 def attached(tree: Path, dev: str, runtime: int, extra: list[str]) -> float:
@@ -48,7 +43,7 @@ def attached(tree: Path, dev: str, runtime: int, extra: list[str]) -> float:
         else:
             raise SystemExit(f"the recorder of {tree} did not start")
         try:
-            return fio(dev, runtime)
+            return fio_iops(dev, JOB, runtime)
         finally:
             rec.send_signal(signal.SIGINT)
             rec.communicate()
@@ -73,7 +68,7 @@ def main() -> int:
             for r in range(args.rounds):
                 order = ["bare", "before", "after"]
                 for v in order if r % 2 == 0 else order[::-1]:
-                    got[v].append(fio(dev, args.runtime) if v == "bare" else
+                    got[v].append(fio_iops(dev, JOB, args.runtime) if v == "bare" else
                                   attached(old if v == "before" else ROOT, dev, args.runtime,
                                            extra))
                 print(f"round {r}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in got.items()),

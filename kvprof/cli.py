@@ -156,24 +156,20 @@ def _mode(text: str) -> int:
     return mode
 
 
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"not a count: {text!r}")
-    return n
+def _int_at_least(minimum: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = minimum - 1
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}")
+        return n
+    return parse
 
 
-def _seconds(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
-    if n < 2:
-        raise argparse.ArgumentTypeError(f"not a whole number of seconds >= 2: {text!r}")
-    return n
+_count = _int_at_least(0, "a count")
+_seconds = _int_at_least(2, "a whole number of seconds >= 2")
 
 
 def build_parser() -> argparse.ArgumentParser:

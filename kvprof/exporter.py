@@ -82,8 +82,6 @@ class Exporter:
         self._lost: dict[str, int] = {}
         self._settled: dict[str, int] = {p: 0 for p in schema.PHASES}  # phase time folded
         self.settled_ns = time.monotonic_ns()  # ... up to here
-        self.start_ns = time.monotonic_ns()
-        self._now_ns = self.start_ns
         self.server = None
         self._thread: threading.Thread | None = None
         self.port = 0
@@ -134,14 +132,13 @@ class Exporter:
                     key = (r["phase"], r["source"])
                     self._closed[key] = self._closed.get(key, 0) + r["end_ns"] - r["start_ns"]
 
-    def open_windows(self, rows: list[dict], now_ns: int) -> None:
+    def open_windows(self, rows: list[dict]) -> None:
         opened: dict[tuple[str, str], int] = {}
         for r in rows:
             key = (r["phase"], r["source"])
             opened[key] = opened.get(key, 0) + r["end_ns"] - r["start_ns"]
         with self._lock:
             self._open = opened
-            self._now_ns = now_ns
 
     def settled(self, phase_ns: dict[str, int], until_ns: int) -> None:
         """The phases' time from the last settled point to `until_ns`, which the io and busy

@@ -25,7 +25,7 @@ SLOT_NS = 4_000_000  # KVPROF_SLOT_NS: a divisor of the second
 NS_PER_S = 1_000_000_000
 HIST_SLOTS = 40  # KVPROF_AGG_SLOTS
 
-# One aggregate slot row, summed over CPUs (capture/aggregate.py builds them).
+# One aggregate slot row (capture/aggregate.py builds them from the map's keys and values).
 AGG_ROW = np.dtype([("slot", "<u8"), ("sec", "<u4"), ("dev", "<u4"), ("layer", "u1"),
                     ("op", "u1"), ("ios", "<u8"), ("bytes", "<u8"), ("queue_ns", "<u8"),
                     ("service_ns", "<u8"), ("first", "<u8"), ("last", "<u8"),
@@ -108,8 +108,9 @@ def _span(agg: np.ndarray, busy: np.ndarray) -> tuple[int, int]:
 def fold(agg: np.ndarray, busy: np.ndarray, windows: pa.Table,
          device: Callable[[int], str]) -> tuple[pa.RecordBatch | None, pa.RecordBatch | None]:
     """Slot rows (AGG_ROW, BUSY_ROW) as io_agg and device_busy rows under `windows`."""
-    t0, t1 = _span(agg, busy)
-    pieces = Pieces(windows, t0, t1) if t1 > t0 else None
+    if not len(agg) and not len(busy):
+        return None, None
+    pieces = Pieces(windows, *_span(agg, busy))
     return (_fold_agg(agg, pieces, device) if len(agg) else None,
             _fold_busy(busy, pieces, device) if len(busy) else None)
 

@@ -244,7 +244,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
         if exporter is not None:
             exporter.info = {"version": __version__, "kernel": row["kernel"],
                              "host": row["host"], "session": row["session_id"]}
-            exporter.start_ns = exporter.settled_ns = start_ns
+            exporter.settled_ns = start_ns
             log(f"Prometheus metrics on http://{opts.prometheus.rpartition(':')[0] or '*'}:"
                 f"{exporter.port}/metrics")
         log(f"Tracing {'+'.join(opts.layers)} I/O on {'; '.join(where) or 'all processes'}; "
@@ -461,7 +461,7 @@ def _drain(store: Store, capture, feeds: tuple, sampler: Sampler, book: WindowBo
             store.replace("device_busy_open", busy)
             book.prune(now)
     if exporter is not None:
-        exporter.open_windows(opened, now)
+        exporter.open_windows(opened)
     return now
 
 
