@@ -268,7 +268,9 @@ def run_pattern(i: int, target: Target, pat: Pattern, runtime_s: float) -> dict:
     after = _diskstats(target.device) if target.device else None
     job = json.loads(out[out.index("{"):])["jobs"][0]
     side = job["write" if pat.op == "write" else "read"]
-    runtime = job["job_runtime"] / 1e3 if job.get("job_runtime") else runtime_s
+    # The run time fio divides by for its own figures (this direction's, in ms; the job's
+    # can be a millisecond shorter).
+    runtime = (side.get("runtime") or job.get("job_runtime") or runtime_s * 1e3) / 1e3
     pct = side["clat_ns"].get("percentile", {})
     entry = {
         "label": pat.label, "rw": pat.rw, "bs": pat.bs, "iodepth": pat.iodepth,

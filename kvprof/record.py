@@ -435,7 +435,7 @@ def _drain(store: Store, capture, feeds: tuple, sampler: Sampler, book: WindowBo
                 keep(table, rows)
         if not closed:
             # Every take, rows or none: a quiet device must lower the rate too.
-            store.append("event_sampling", sampler.saw(taken.get("io")))
+            store.append("event_sampling", sampler.saw(capture.started()))
         for src in feeds:
             for table, rows in src.take().items():
                 keep(table, rows)

@@ -1,8 +1,9 @@
 """How many device-layer requests the event tier keeps: all of them up to a rate, past it 1 in
-2^shift, chosen from the rate offered (rows kept times their weight, an unbiased
-count). The aggregate tier counts every request whatever this decides; the rows carry their
-weight (schema.IO sample_weight) and each change is stored (schema.EVENT_SAMPLING), so reports
-know which figures are exact and which sampled.
+2^shift, chosen from the rate offered: the kernel's count of requests started (capture's
+`started()`), not the rows drained, which fall behind the rate when the drain thread is
+starved of CPU. The aggregate tier counts every request whatever this decides; the rows carry
+their weight (schema.IO sample_weight) and each change is stored (schema.EVENT_SAMPLING), so
+reports know which figures are exact and which sampled.
 
 Decided at every take (WINDOW_S or more apart): raised at once when the rate is over the
 budget (a burst must not flood the ring and the store), lowered one step after CALM_S seconds
@@ -13,16 +14,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from kvprof import schema
 
 MAX_SHIFT = 16
 WINDOW_S = 0.25
 CALM_S = 3.0
-DEVICE_LAYERS = list(schema.DEVICE_LAYERS)
 
 
 class Sampler:
@@ -31,25 +29,21 @@ class Sampler:
         self.max_rate = max_rate
         self.shift = 0
         self._set = set_shift
-        self._offered = 0
+        self._started = 0
         self._since = time.monotonic()
         self._calm = 0.0
 
-    def saw(self, io: pa.RecordBatch | None, now_ns: int | None = None
-            ) -> pa.RecordBatch | None:
-        """Count the rows just taken; returns an event_sampling row when the rate changes."""
+    def saw(self, started: int, now_ns: int | None = None) -> pa.RecordBatch | None:
+        """`started`: device-layer requests started so far (capture.started()); returns an
+        event_sampling row when the rate changes."""
         if not self.max_rate:
             return None
-        if io is not None and io.num_rows:
-            device = pc.is_in(io.column("layer"), pa.array(DEVICE_LAYERS))
-            weights = np.asarray(io.column("sample_weight"), np.int64)
-            self._offered += int(weights[np.asarray(device, bool)].sum())
         now = time.monotonic()
         elapsed = now - self._since
         if elapsed < WINDOW_S:
             return None
-        rate = self._offered / elapsed
-        self._offered, self._since = 0, now
+        rate = (started - self._started) / elapsed
+        self._started, self._since = started, now
         want = 0
         while want < MAX_SHIFT and rate / (1 << want) > self.max_rate:
             want += 1

@@ -87,7 +87,6 @@ static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, 
     u64 id = bpf_get_current_pid_tgid();
     if (!kvprof_task_allowed(id >> 32))
         flags |= KVPROF_FL_FILTERED;
-    s->flags = flags;
     s->insert_ns = insert_ns;
     s->issue_ns = issue_ns;
     s->dev = dev;
@@ -95,7 +94,7 @@ static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, 
     s->bytes = KVPROF_FIELD(u32, rq, KVPROF_RQ_DATA_LEN);
     s->done = 0;
     s->layer = KVPROF_LAYER_BLOCK;
-    s->flags |= kvprof_start_event(s, id >> 32, (u32)id);
+    s->flags = kvprof_start_event(s, id >> 32, (u32)id, flags);
     if (!(flags & KVPROF_FL_FILTERED))
         kvprof_dev_tick(dev, di, insert_ns ? insert_ns : issue_ns, 1);
 }

@@ -37,7 +37,7 @@ RAW_TRACEPOINT_PROBE(io_uring_submit_req)
     s->op = op;
     s->opcode = opcode;
     s->layer = KVPROF_LAYER_IO_URING;
-    s->flags = kvprof_start_event(s, tgid, (u32)id);
+    s->flags = kvprof_start_event(s, tgid, (u32)id, 0);
     return 0;
 }
 

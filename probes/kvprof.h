@@ -44,7 +44,11 @@
 #define KVPROF_LOST_AGG_FULL 5
 /* A request found every slot it may use in the in-flight table taken (see kvprof_claim). */
 #define KVPROF_LOST_INFLIGHT_FULL 6
-#define KVPROF_NCOUNTERS 7
+/* Not a loss: device-layer requests started (filters passed), whether sampling kept them or
+ * not. The sampling's rate offered comes from here, not from the rows user space drained: a
+ * starved drain thread would see a slower rate and keep too many. */
+#define KVPROF_DEVICE_STARTED 7
+#define KVPROF_NCOUNTERS 8
 
 #ifndef KVPROF_RINGBUF_PAGES
 #define KVPROF_RINGBUF_PAGES 1024
@@ -621,23 +625,32 @@ static __always_inline void kvprof_release(int slot)
 BPF_ARRAY(sample_shift, u32, 1);
 
 /* A request starts: whether the event tier keeps it, and if so who started it (submission
- * runs in the submitter's context; block completion does not). Returns the flag to add. */
-static __always_inline u16 kvprof_start_event(struct kvprof_inflight *s, u32 tgid, u32 pid)
+ * runs in the submitter's context; block completion does not). `flags`: the request's so
+ * far; returns them with the sampling's. */
+static __always_inline u16 kvprof_start_event(struct kvprof_inflight *s, u32 tgid, u32 pid,
+                                              u16 flags)
 {
     s->pid = pid;
     s->tgid = tgid;
 #ifdef KVPROF_NO_DEVICE_EVENTS
-    return KVPROF_FL_UNSAMPLED;
+    return flags | KVPROF_FL_UNSAMPLED;
 #else
+    if (flags & KVPROF_FL_FILTERED)
+        return flags | KVPROF_FL_UNSAMPLED;
+    int started = KVPROF_DEVICE_STARTED;
+    u64 *c = counters.lookup(&started);
+    /* Not atomic: a nested program's increment lost now and then only blurs a rate. */
+    if (c)
+        *c += 1;
     int zero = 0;
     u32 *k = sample_shift.lookup(&zero);
     u32 shift = k ? *k & 31 : 0;
     s->sample_shift = shift;
     if (shift && (bpf_get_prandom_u32() & ((1U << shift) - 1)))
-        return KVPROF_FL_UNSAMPLED;
+        return flags | KVPROF_FL_UNSAMPLED;
     s->cgroup_id = bpf_get_current_cgroup_id();
     bpf_get_current_comm(&s->comm, sizeof(s->comm));
-    return 0;
+    return flags;
 #endif
 }
 

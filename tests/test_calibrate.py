@@ -18,17 +18,6 @@ pytestmark = live
 QUICK = ("rand_read_4k_qd32", "rand_read_4k_qd1", "seq_write_1m", "psync_rand_read_4k")
 
 
-def fio(path: str, rw: str, bs: int, iodepth: int, engine: str, runtime: float = 3,
-        size: int = 256 << 20) -> dict:
-    out = subprocess.run(["fio", "--name=ref", f"--filename={path}", f"--rw={rw}", f"--bs={bs}",
-                          f"--iodepth={iodepth}", f"--ioengine={engine}", "--direct=1",
-                          "--time_based", f"--runtime={runtime}", f"--size={size}",
-                          "--output-format=json"], check=True, capture_output=True,
-                         text=True).stdout
-    job = json.loads(out)["jobs"][0]
-    return job["write" if "write" in rw else "read"]
-
-
 def calibrate(target: str, *patterns: str, runtime: float = 3, extra: tuple = ()) -> dict:
     args = ["calibrate", target, "--runtime", str(runtime), "--json", *extra]
     for p in patterns:
@@ -38,66 +27,34 @@ def calibrate(target: str, *patterns: str, runtime: float = 3, extra: tuple = ()
     return json.loads(r.stdout)
 
 
-def fio_ref(target: str, name: str, size: int = 256 << 20, runtime: float = 2) -> float:
-    """fio's own figure for a pattern (the measure that pattern is for), fio run with the
-    very command line calibrate gives it."""
-    from kvprof.calibrate import BY_NAME, Target, fio_command
+def assert_fios_own_run(e: dict, name: str) -> None:
+    """A pattern's figures are the kernel's count over fio's own run: the same requests and
+    bytes fio reports, over fio's run time. Calibrate adds nothing to the I/O path (it reads
+    diskstats before and after fio), so a figure off fio's own is calibrate's error.
 
-    pat = BY_NAME[name]
-    out = subprocess.run(fio_command(Target(target, None, size, None), pat, runtime),
-                         check=True, capture_output=True, text=True).stdout
-    side = json.loads(out)["jobs"][0]["write" if pat.op == "write" else "read"]
-    return side["bw_bytes"] if pat.bs >= 1 << 20 else side["iops"]
-
-
-def measure(e: dict) -> str:
-    return "bandwidth_bytes_per_s" if e["bs"] >= 1 << 20 else "iops"
-
-
-def assert_near_fio(target: str, patterns: tuple[str, ...], size: int = 256 << 20,
-                    extra: tuple = (), rounds: int = 3, fio_target: str | None = None) -> dict:
-    """Per pattern, fio and kvprof calibrate in turns (fio first and last): each kvprof run
-    against the mean of the fio runs just before and after it, which cancels the drift of a
-    shared 2-vCPU VM (a single short run moves by up to ~30 %); the median ratio within
-    15 %. Returns the last calibration."""
-    import statistics
-
-    got = None
-    for name in patterns:
-        ours = []
-        theirs = [fio_ref(fio_target or target, name, size)]
-        for _ in range(rounds):
-            got = calibrate(target, name, runtime=2, extra=extra)
-            ours.append(got["patterns"][name][measure(got["patterns"][name])])
-            theirs.append(fio_ref(fio_target or target, name, size))
-        ratios = [o / ((a + b) / 2) for o, a, b in zip(ours, theirs, theirs[1:])]
-        print(f"{name}: kvprof {ours}, fio {theirs}: ratios "
-              + " ".join(f"{r:.2f}" for r in ratios))
-        assert 0.85 <= statistics.median(ratios) <= 1.15, (name, ours, theirs)
-    return got
+    Not compared with a separate fio run of the same command line: on a shared 2-vCPU VM two
+    runs differ by the machine alone (psync 4 KiB reads at 7.6 k then 13.9 k IOPS one after
+    the other; 1 MiB writes to a loop device over /dev/shm, a memory copy, at 4.7 then
+    7.6 GB/s), which says nothing of calibrate."""
+    assert e["source"] == "kernel", name
+    # One request per 4 KiB I/O; the loop device splits large ones, so only bytes for them.
+    if e["bs"] == 4096:
+        assert e["ios"] == e["fio"]["ios"] > 0, name
+        assert e["iops"] == pytest.approx(e["fio"]["iops"], rel=1e-3), name
+    assert e["bytes"] == e["fio"]["bytes"] > 0, name
+    assert e["bandwidth_bytes_per_s"] == pytest.approx(
+        e["fio"]["bandwidth_bytes_per_s"], rel=1e-3), name
+    assert e["latency_us"]["p99"] >= e["latency_us"]["p50"] > 0, name
 
 
-def test_a_loop_device_within_15_pct_of_fio_and_its_counts_are_the_kernels(
-        loopdev, calibration_store):
+def test_a_loop_device_is_measured_by_the_kernel_over_fios_own_run(loopdev, calibration_store):
     # fio's own writes are data on the device, but ours: --force.
-    # 1 MiB writes to a loop device over /dev/shm are a memory copy whose speed swings between
-    # separate fio processes (4.7-7.6 GB/s in one CI run, the same file, turns interleaved):
-    # no ratio between two runs holds for them. They are held to the exact check below, the
-    # kernel's bytes over fio's own run against fio's count; here the random and pread ones.
-    assert_near_fio(f"/dev/{loopdev}", tuple(n for n in QUICK if n != "seq_write_1m"),
-                    extra=("--force",))
     got = calibrate(f"/dev/{loopdev}", *QUICK, runtime=1, extra=("--force",))
     assert got["device"]["name"] == loopdev
     assert got["key"].startswith("loop /dev/shm/")
+    assert got["patterns"].keys() == set(QUICK)
     for name, e in got["patterns"].items():
-        assert e["source"] == "kernel"
-        # The kernel's count over fio's run equals fio's own: one request per 4 KiB I/O, and
-        # the same bytes for the large ones (the loop device splits them into smaller
-        # requests, so their counts differ).
-        if e["bs"] == 4096:
-            assert e["ios"] == e["fio"]["ios"], name
-        assert e["bytes"] == e["fio"]["bytes"], name
-        assert e["latency_us"]["p99"] >= e["latency_us"]["p50"] > 0
+        assert_fios_own_run(e, name)
     # Kept for the device; a run of some patterns updates those and keeps the others.
     kept = json.loads(next(calibration_store.glob("*.json")).read_text())
     assert kept["patterns"].keys() == set(QUICK)
@@ -113,23 +70,18 @@ def mounted(loopdev, ext4):
 
 def test_a_directory_measures_the_device_under_it_with_a_scratch_file(mounted):
     dev, mnt = mounted
-    ref = mnt / "ref.bin"
-    subprocess.run(["fio", "--name=lay", f"--filename={ref}", "--rw=write", "--bs=1M",
-                    "--size=64M", "--direct=1"], check=True, capture_output=True)
-    got = assert_near_fio(str(mnt), ("rand_read_4k_qd32",), size=64 << 20,
-                          extra=("--size", "64M"), fio_target=str(ref))
-    assert got["device"]["name"] == dev
+    ref = mnt / "kept.bin"
+    ref.write_bytes(b"x" * 4096)
     # Through the file system, the kernel's count under the file equals fio's own: O_DIRECT
     # overwrites of a laid-out file add no block I/O of their own within a 2 s run.
     got = calibrate(str(mnt), "seq_write_1m", "rand_read_4k_qd32", runtime=2,
                     extra=("--size", "64M"))
+    assert got["device"]["name"] == dev
     for name, e in got["patterns"].items():
-        assert e["source"] == "kernel"
-        assert e["bytes"] == e["fio"]["bytes"] > 0, name
-        assert e["bandwidth_bytes_per_s"] == pytest.approx(
-            e["fio"]["bandwidth_bytes_per_s"], rel=1e-3), name
-    assert all(e["source"] == "kernel" for e in got["patterns"].values())
-    assert sorted(mnt.iterdir()) == [mnt / "lost+found", ref], "the scratch file was left"
+        assert_fios_own_run(e, name)
+    assert sorted(mnt.iterdir()) == [mnt / "kept.bin", mnt / "lost+found"], \
+        "the scratch file was left, or a file of the user's touched"
+    assert ref.read_bytes() == b"x" * 4096
 
 
 def test_a_device_holding_a_filesystem_is_refused_unless_forced(loopdev, tmp_path):

@@ -168,11 +168,15 @@ def test_time_idle_matches_io_ticks(loopdev, start_recorder, tmp_path):
               f"kvprof {(100 - ours) * window_ms / 100:.0f}, fio {fio_ms}")
         # fio's own clock: the reads kept something in flight for as long as fio ran.
         busy_ms = (100 - ours) * window_ms / 100
-        if abs(busy_ms - fio_ms) > 0.1 * fio_ms:
-            # Unless fio itself was starved of CPU (two cores, shared with the recorder and
-            # whatever else runs): then the kernel's io_ticks sees the same idle stretches
-            # kvprof does, and the run says nothing. kvprof away from both fails at once.
-            assert abs(ours - kernel_idle) <= 2.0, (ours, kernel_idle, fio_ms, window_ms)
+        assert busy_ms <= 1.1 * fio_ms, "busy for longer than fio ran"
+        if busy_ms < 0.9 * fio_ms:
+            # fio was starved of CPU (two cores, shared with the recorder and whatever else
+            # runs): its reads come in short bursts that start when the scheduler's tick
+            # hands it the CPU back and end within that jiffy. The kernel keeps io_ticks in
+            # jiffies (4 ms at HZ=250) and adds only once a jiffy has passed since its last
+            # stamp, so such a burst counts as nothing there (seen: 64.9 % idle by io_ticks
+            # against 60.4 % by the requests' own times, fio busy 1 715 ms of 2 000). No
+            # reference for this run: measure again.
             print("fio kept the device busy for less than it ran; measuring again")
             continue
         # Once in a few dozen runs the kernel's io_ticks counts nearly the whole window busy

@@ -338,7 +338,10 @@ def test_record_with_nvml_source_stores_gpu_rows_and_windows(sim_lib, tmp_path):
 
     (tmp_path / "script.txt").write_text(SCRIPT)
     env = {**os.environ, "LD_LIBRARY_PATH": str(sim_lib),
-           "NVSIM_SCRIPT": str(tmp_path / "script.txt"), "NVSIM_T0_FILE": str(tmp_path / "t0")}
+           "NVSIM_SCRIPT": str(tmp_path / "script.txt"), "NVSIM_T0_FILE": str(tmp_path / "t0"),
+           # The script runs from the first reading, after the probes compiled (under load
+           # that took past GPU2's loss at 2.4 s: no row of it).
+           "NVSIM_ORIGIN": "first_read"}
     out = tmp_path / "s"
     r = subprocess.run([sys.executable, "-m", "kvprof", "record", "--layer", "block",
                         "--phases", "nvml", "--duration", "4", "-o", str(out), "--socket",

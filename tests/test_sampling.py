@@ -1,46 +1,41 @@
-"""The event tier's sampling controller on counted rows (no kernel needed)."""
+"""The event tier's sampling controller on the kernel's request counts (no kernel needed)."""
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from kvprof import sampling
 
 
-def rows(n: int, weight: int, layer: str = "block") -> pa.RecordBatch:
-    return pa.RecordBatch.from_pydict({"layer": [layer] * n,
-                                       "sample_weight": np.full(n, weight, np.uint32)})
-
-
 def test_the_shift_rises_at_once_and_falls_one_step_after_calm(monkeypatch):
+    """Driven by the kernel's count of requests started, whatever was drained."""
     clock = [0.0]
     monkeypatch.setattr(sampling.time, "monotonic", lambda: clock[0])
     set_to: list[int] = []
     s = sampling.Sampler(1000, set_to.append)
+    started = [0]
 
-    def second(n: int, weight: int, layer: str = "block"):
+    def second(n: int):
         clock[0] += 1.0
-        return s.saw(rows(n, weight, layer), now_ns=int(clock[0] * 1e9))
+        started[0] += n
+        return s.saw(started[0], now_ns=int(clock[0] * 1e9))
 
-    assert second(900, 1) is None and s.shift == 0
-    change = second(8000, 1)  # 8000/s offered: 1 in 8 keeps 1000
+    assert second(900) is None and s.shift == 0
+    change = second(8000)  # 8000/s offered: 1 in 8 keeps 1000
     assert s.shift == 3 and set_to == [3]
     assert change.to_pydict() == {"ts_ns": [int(clock[0] * 1e9)], "shift": [3]}
-    # Rows kept at 1 in 8 stand for 8 each: still 8000/s offered, no change.
-    assert second(1000, 8) is None and s.shift == 3
-    # Quiet: down one step only after CALM_S seconds that would fit. Rows of other layers
-    # are not sampled and do not count.
-    assert second(100_000, 1, "syscall") is None
-    for _ in range(int(sampling.CALM_S) - 2):
-        assert second(10, 8) is None
-    assert second(10, 8) is not None and s.shift == 2
+    # Still 8000/s offered (whatever share of it was kept): no change.
+    assert second(8000) is None and s.shift == 3
+    # Quiet: down one step only after CALM_S seconds that would fit.
+    for _ in range(int(sampling.CALM_S) - 1):
+        assert second(80) is None
+    assert second(80) is not None and s.shift == 2
     assert set_to == [3, 2]
 
 
 def test_zero_keeps_every_row():
     s = sampling.Sampler(0, lambda k: None)
-    assert s.saw(rows(10 ** 6, 1)) is None and s.shift == 0
+    assert s.saw(10 ** 9) is None and s.shift == 0
 
 
 def test_weighted_quantiles_weigh_each_row_by_what_it_stands_for():
@@ -62,14 +57,15 @@ def test_weighted_quantiles_weigh_each_row_by_what_it_stands_for():
 
 
 def test_a_quiet_device_lowers_the_rate_too(monkeypatch):
-    """No rows at all (the device went quiet) counts as calm: record calls saw() every take."""
+    """No request at all (the device went quiet) counts as calm: record calls saw() every
+    take."""
     clock = [0.0]
     monkeypatch.setattr(sampling.time, "monotonic", lambda: clock[0])
     s = sampling.Sampler(1000, lambda k: None)
     clock[0] += 1.0
-    s.saw(rows(8000, 1))
+    s.saw(8000)
     assert s.shift == 3
     for _ in range(int(sampling.CALM_S / sampling.WINDOW_S)):
         clock[0] += sampling.WINDOW_S
-        s.saw(None)
+        s.saw(8000)
     assert s.shift == 2

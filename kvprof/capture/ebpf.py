@@ -64,6 +64,7 @@ COUNTER_NAMES = {0: "ringbuf_reserve_failed", 1: "block_unmatched_completion",
                  2: "block_completion_not_seen", 3: "io_uring_completion_not_seen",
                  4: "syscall_open_ring_full", 5: "aggregate_map_full",
                  6: "inflight_table_full"}
+DEVICE_STARTED = 7  # KVPROF_DEVICE_STARTED: not a loss, the sampling's rate offered
 # Requests still in flight at stop, by the layer that held them: never seen completing.
 NOT_SEEN = {"block": "block_completion_not_seen", "io_uring": "io_uring_completion_not_seen",
             "syscall": "syscall_completion_not_seen"}
@@ -190,6 +191,11 @@ class Capture:
         if {"block", "io_uring"} & set(layers):
             self.aggregate = AggregateReader(self.bpf)
         self._thread = threading.Thread(target=self._drain_loop, name="kvprof-drain", daemon=True)
+
+    def started(self) -> int:
+        """Device-layer requests started since the probes attached (kept by sampling or not):
+        the rate the event tier is offered, whatever the drain keeps up with."""
+        return int(sum(self.bpf["counters"].getvalue(ctypes.c_int(DEVICE_STARTED))))
 
     def set_sampling(self, shift: int) -> None:
         """From now on the event tier keeps 1 in 2**shift device-layer requests."""

@@ -6,7 +6,10 @@
  *     t_start_ms -        gpu lost         from t_start_ms on, every call on that GPU fails
  * Times are CLOCK_MONOTONIC since nvmlInit; time outside any segment is idle. Comments: '#'.
  * NVSIM_T0_FILE, if set, receives that CLOCK_MONOTONIC origin in ns, so a test can map the
- * script onto the sampler's clock. NVSIM_INIT_FAIL=1 makes nvmlInit fail as without a driver.
+ * script onto the sampler's clock. NVSIM_ORIGIN=first_read moves that origin to the first
+ * utilisation reading (until then the script's time stands at 0): a recorder opens NVML before
+ * it compiles its probes (seconds, more on a loaded machine) and reads only once they are
+ * attached, and the script is what the GPUs do while they are watched. NVSIM_INIT_FAIL=1 makes nvmlInit fail as without a driver.
  * NVSIM_PCIE_DELAY_US makes nvmlDeviceGetPcieThroughput block, as the real one does.
  *
  * Three GPUs that fail differently:
@@ -95,7 +98,16 @@ static long long mono_ns(void) {
     return ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-static double now_ms(void) { return (mono_ns() - t0_ns) / 1e6; }
+static int origin_pending; /* NVSIM_ORIGIN=first_read, before that reading */
+
+static double now_ms(void) { return origin_pending ? 0 : (mono_ns() - t0_ns) / 1e6; }
+
+static void set_origin(void) {
+    t0_ns = mono_ns();
+    const char *t0_file = getenv("NVSIM_T0_FILE");
+    FILE *f = t0_file ? fopen(t0_file, "w") : NULL;
+    if (f) { fprintf(f, "%lld\n", t0_ns); fclose(f); }
+}
 
 static int parse_phase(const char *s, enum phase *out) {
     static const char *names[NPHASE] = {"idle", "prefill", "decode"};
@@ -174,11 +186,10 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     const char *fail = getenv("NVSIM_INIT_FAIL");
     if (fail && strcmp(fail, "1") == 0) return NVML_ERROR_DRIVER_NOT_LOADED;
     if (initialised++) return NVML_SUCCESS;  /* nested init, as the real library counts */
-    t0_ns = mono_ns();
     load_script(getenv("NVSIM_SCRIPT"));
-    const char *t0_file = getenv("NVSIM_T0_FILE");
-    FILE *f = t0_file ? fopen(t0_file, "w") : NULL;
-    if (f) { fprintf(f, "%lld\n", t0_ns); fclose(f); }
+    const char *origin = getenv("NVSIM_ORIGIN");
+    origin_pending = origin && strcmp(origin, "first_read") == 0;
+    if (!origin_pending) set_origin();
     return NVML_SUCCESS;
 }
 
@@ -232,6 +243,7 @@ nvmlReturn_t nvmlDeviceGetUUID(struct device *h, char *uuid, unsigned int length
 }
 
 nvmlReturn_t nvmlDeviceGetUtilizationRates(struct device *h, nvmlUtilization_t *u) {
+    if (origin_pending) { origin_pending = 0; set_origin(); }
     DEVICE(h, d);
     u->gpu = (unsigned int)lround(recent(d->index, GPU_UTIL, UTIL_WINDOW_MS));
     u->memory = (unsigned int)lround(recent(d->index, MEM_UTIL, UTIL_WINDOW_MS));
