@@ -154,6 +154,11 @@ class Marker:
                     self.last_error = e.errno if e.errno is not None else errno.ETIMEDOUT
                     if e.errno in (errno.ENOENT, errno.ECONNREFUSED):
                         self._backlog.clear()  # the receiver is gone: nobody to lose them
+                    elif e.errno in (None, errno.EAGAIN, errno.ENOBUFS):
+                        # Its queue stayed full for send_timeout_s: a receiver starved of
+                        # CPU, still there. Sent again, in order; the backlog's bound is
+                        # what counts losses, and this thread is not the engine's.
+                        self._backlog.extendleft(reversed(batch))
                     else:
                         self.lost += len(batch)
 

@@ -27,7 +27,6 @@ from kvprof.fold import SLOT_NS, WindowBook
 from kvprof.errors import EX_IOERR, EX_UNAVAILABLE, EX_USAGE, KvprofError
 from kvprof.markers import socket_path
 from kvprof.phases import registry
-from kvprof.sampling import Sampler
 from kvprof.sampling import row as sampling_row
 from kvprof.store import DB_FILE, Store, recorder_identity, segment_path, segments
 
@@ -118,7 +117,8 @@ class StopFlag:
 
 def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
            stop: threading.Event | None = None,
-           on_start: Callable[[Store], None] | None = None) -> Path:
+           on_start: Callable[[Store], None] | None = None,
+           on_flush: Callable[[], None] | None = None) -> Path:
     """Record one session and return its directory. `on_start` gets the store once the
     probes are attached and the session row exists (`kvprof top` reads it live through its
     own cursor); it must not keep using the store after `stop` is set."""
@@ -178,7 +178,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                     raise
                 log(f"kvprof: phase source {spec} not used: {e}")
         capture = Capture(opts.layers, filters, cache_rules=cache_rules,
-                          device_events=opts.events)
+                          device_events=opts.events, event_rate=opts.event_rate)
         if opts.drop_privileges:
             # Before any other thread starts (DuckDB's workers, the sources', the drain's):
             # each copies what this one holds when it starts.
@@ -195,7 +195,6 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                 log(f"kvprof: probes attached; privileges dropped (kept: {kept})")
         store = Store.create(out, live=on_start is not None)
         book = WindowBook(opts.settle_s)
-        sampler = Sampler(opts.event_rate if opts.events else 0, capture.set_sampling)
         start_ns = time.monotonic_ns()
         offset = time.time_ns() - time.monotonic_ns()
         row = {
@@ -267,8 +266,10 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                     timeout = min(timeout, max(0.0, deadline - time.monotonic()))
                 if stop.wait(timeout) or (deadline is not None and time.monotonic() >= deadline):
                     break
-                now = _drain(store, capture, feeds, sampler, book, exporter)
+                now = _drain(store, capture, feeds, book, exporter)
                 flushes += 1
+                if on_flush is not None:
+                    on_flush()  # a live view shows the flush now, not at its next tick
                 row["end_ns"] = now
                 if opts.roll is not None and \
                         _disk_bytes(out, segment_path(out, segment)) >= opts.roll:
@@ -279,8 +280,9 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
                     segment, segment_start = segment + 1, now
                     store = Store.create(out, segment, live=on_start is not None)
                     write_row()
-                    if sampler.max_rate:
-                        store.append("event_sampling", sampling_row(now, sampler.shift))
+                    if capture.sampler.max_rate:
+                        store.append("event_sampling",
+                                     sampling_row(now, capture.sampler.shift))
                     if opts.max_size is not None:
                         _prune(out, opts.max_size, log)
                     continue
@@ -301,7 +303,7 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             end_ns = time.monotonic_ns()
             for src in feeds:
                 src.stop(end_ns)
-            _drain(store, capture, feeds, sampler, book, exporter, closed=True)
+            _drain(store, capture, feeds, book, exporter, closed=True)
             lost = capture.lost() | marks.counts() | book.counts()
             row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
                        sources=json.dumps([{"source": str(sp), **_status(src)}
@@ -406,7 +408,7 @@ def _end_on_full_disk(store: Store | None, out: Path, reserve: Path | None,
         log(f"kvprof: the session row could not say how the recording ended: {first}")
 
 
-def _drain(store: Store, capture, feeds: tuple, sampler: Sampler, book: WindowBook,
+def _drain(store: Store, capture, feeds: tuple, book: WindowBook,
            exporter=None, closed: bool = False) -> int:
     """Move what capture and the phase sources collected into the store (and the Prometheus
     exporter's totals); return the time the open windows were cut at. `closed`: the sources
@@ -433,9 +435,6 @@ def _drain(store: Store, capture, feeds: tuple, sampler: Sampler, book: WindowBo
                 store.replace(table, rows)  # the exporter counts only what is settled
             else:
                 keep(table, rows)
-        if not closed:
-            # Every take, rows or none: a quiet device must lower the rate too.
-            store.append("event_sampling", sampler.saw(capture.started()))
         for src in feeds:
             for table, rows in src.take().items():
                 keep(table, rows)
@@ -524,15 +523,21 @@ class BackgroundRecorder:
         self.store: Store | None = None
         self.error: BaseException | None = None
         self.log: list[str] = []
+        self.on_flush: Callable[[], None] | None = None  # called after each flush
         self._thread = threading.Thread(target=self._run, name="kvprof-record", daemon=True)
 
     def _started(self, store: Store) -> None:
         self.store = store
         self.ready.set()
 
+    def _flushed(self) -> None:
+        if self.on_flush is not None:
+            self.on_flush()
+
     def _run(self) -> None:
         try:
-            record(self.opts, log=self.log.append, stop=self.stop, on_start=self._started)
+            record(self.opts, log=self.log.append, stop=self.stop, on_start=self._started,
+                   on_flush=self._flushed)
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             self.error = e
         finally:

@@ -5,7 +5,8 @@ starved of CPU. The aggregate tier counts every request whatever this decides; t
 their weight (schema.IO sample_weight) and each change is stored (schema.EVENT_SAMPLING), so
 reports know which figures are exact and which sampled.
 
-Decided at every take (WINDOW_S or more apart): raised at once when the rate is over the
+Decided by capture's drain thread (every WINDOW_S; the recorder's flush, which writes the
+rows, can lag seconds behind on a loaded machine): raised at once when the rate is over the
 budget (a burst must not flood the ring and the store), lowered one step after CALM_S seconds
 in a row that would fit the budget even then.
 """
@@ -33,17 +34,19 @@ class Sampler:
         self._since = time.monotonic()
         self._calm = 0.0
 
-    def saw(self, started: int, now_ns: int | None = None) -> pa.RecordBatch | None:
-        """`started`: device-layer requests started so far (capture.started()); returns an
-        event_sampling row when the rate changes."""
+    def saw(self, started: Callable[[], int], now_ns: int | None = None
+            ) -> pa.RecordBatch | None:
+        """`started()`: device-layer requests started so far (capture's kernel count), read
+        only when a decision is due; returns an event_sampling row when the rate changes."""
         if not self.max_rate:
             return None
         now = time.monotonic()
         elapsed = now - self._since
         if elapsed < WINDOW_S:
             return None
-        rate = (started - self._started) / elapsed
-        self._started, self._since = started, now
+        count = started()
+        rate = (count - self._started) / elapsed
+        self._started, self._since = count, now
         want = 0
         while want < MAX_SHIFT and rate / (1 << want) > self.max_rate:
             want += 1

@@ -81,6 +81,9 @@ def run_live(opts: RecordOptions, interval_s: float = 0.5, window_s: float | Non
         clock = Clock(info.start_ns, None, playing=True)
         app = KvprofTop(Reader(rec.store.con), clock, name=name, interval_s=interval_s,
                         window_s=window_s, export_dir=Path(rec.store.directory) / "parquet")
+        # A frame as each flush lands (every 0.25 s): on a loaded machine a frame on the
+        # feed's own tick came up to a tick late, past a second after the I/O.
+        rec.on_flush = app.feed.wake
         if worker is not None:
             worker.start()
         app.run()

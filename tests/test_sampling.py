@@ -18,7 +18,7 @@ def test_the_shift_rises_at_once_and_falls_one_step_after_calm(monkeypatch):
     def second(n: int):
         clock[0] += 1.0
         started[0] += n
-        return s.saw(started[0], now_ns=int(clock[0] * 1e9))
+        return s.saw(lambda: started[0], now_ns=int(clock[0] * 1e9))
 
     assert second(900) is None and s.shift == 0
     change = second(8000)  # 8000/s offered: 1 in 8 keeps 1000
@@ -35,7 +35,7 @@ def test_the_shift_rises_at_once_and_falls_one_step_after_calm(monkeypatch):
 
 def test_zero_keeps_every_row():
     s = sampling.Sampler(0, lambda k: None)
-    assert s.saw(10 ** 9) is None and s.shift == 0
+    assert s.saw(lambda: 10 ** 9) is None and s.shift == 0
 
 
 def test_weighted_quantiles_weigh_each_row_by_what_it_stands_for():
@@ -63,9 +63,9 @@ def test_a_quiet_device_lowers_the_rate_too(monkeypatch):
     monkeypatch.setattr(sampling.time, "monotonic", lambda: clock[0])
     s = sampling.Sampler(1000, lambda k: None)
     clock[0] += 1.0
-    s.saw(8000)
+    s.saw(lambda: 8000)
     assert s.shift == 3
     for _ in range(int(sampling.CALM_S / sampling.WINDOW_S)):
         clock[0] += sampling.WINDOW_S
-        s.saw(8000)
+        s.saw(lambda: 8000)
     assert s.shift == 2

@@ -214,8 +214,9 @@ def test_plugin_imports_without_vllm_and_never_raises(tmp_path):
 def test_a_backed_up_receiver_gets_windows_late_and_counts_those_it_never_got(tmp_path):
     """The receiver reads nothing for a while (its queue holds net.unix.max_dgram_qlen
     datagrams): the sender neither blocks its caller nor drops silently. Windows wait in its
-    backlog, are sent many to a datagram once there is room, and those that time out or
-    overflow the backlog are counted on both sides, the same number."""
+    backlog, are sent many to a datagram once there is room (a send that times out is tried
+    again), and those that overflow the backlog are counted on both sides, the same
+    number."""
     from kvprof.markers import Marker
 
     server = MarkServer(str(tmp_path / "m.sock"))  # bound, not reading yet
@@ -241,3 +242,26 @@ def test_a_backed_up_receiver_gets_windows_late_and_counts_those_it_never_got(tm
     assert m.lost > 0
     assert undelivered == m.lost
     assert got + undelivered == 301
+
+
+def test_a_receiver_starved_past_the_send_timeout_loses_nothing(tmp_path):
+    """A recorder starved of CPU for longer than a send waits: the backlog waits with it
+    (it is bounded, and not the engine's thread), and every window arrives."""
+    from kvprof.markers import Marker
+
+    server = MarkServer(str(tmp_path / "m.sock"))
+    m = Marker(str(server.path), engine="e", source="hook", send_timeout_s=0.1)
+    for i in range(200):
+        m.window("decode", 1000 + 10 * i, 1005 + 10 * i)
+    time.sleep(0.5)  # several sends time out meanwhile
+    server.start()
+    assert m.flush(5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with server._lock:
+            if len(server.builder.rows) >= 200:
+                break
+        time.sleep(0.05)
+    server.stop(time.monotonic_ns())
+    assert (server.take()["phase"].num_rows, m.lost, server.counts()["marks_undelivered"]) \
+        == (200, 0, 0)

@@ -23,6 +23,7 @@ from kvprof.capture.gds import NAMES as GDS_PROBES
 from kvprof.capture.gds import find_cufile, usdt_contexts
 from kvprof.capture.procs import ProcessTable
 from kvprof.capture.ringbuf import RingReader
+from kvprof.sampling import Sampler
 from kvprof.devices import Device, by_number
 from kvprof.errors import EX_UNAVAILABLE, KvprofError
 from kvprof.privileges import SYS_BPF
@@ -131,7 +132,9 @@ class Capture:
     def __init__(self, layers: tuple[str, ...], filters: CaptureFilter,
                  ringbuf_pages: int = RINGBUF_PAGES,
                  cache_rules: tuple[caches.Rule, ...] = caches.BUILTIN,
-                 device_events: bool = True):
+                 device_events: bool = True, event_rate: int = 0):
+        """`event_rate`: device-layer rows a second the event tier keeps before it samples
+        (0: every one; kvprof/sampling.py)."""
         from kvprof.capture.bccload import load_bcc
 
         self.bcc = load_bcc()
@@ -190,6 +193,10 @@ class Capture:
         self._agg_final: dict[str, np.ndarray] | None = None
         if {"block", "io_uring"} & set(layers):
             self.aggregate = AggregateReader(self.bpf)
+        # Decided in the drain thread from the kernel's count: a burst is sampled within a
+        # quarter second, however late the recorder's flush is.
+        self.sampler = Sampler(event_rate if device_events else 0, self.set_sampling)
+        self._sampling: deque[pa.RecordBatch] = deque()
         self._thread = threading.Thread(target=self._drain_loop, name="kvprof-drain", daemon=True)
 
     def started(self) -> int:
@@ -267,6 +274,9 @@ class Capture:
         if len(ev):
             self._batches.append(ev)
             self._described(ev["tgid"])
+        change = self.sampler.saw(self.started)
+        if change is not None:
+            self._sampling.append(change)
         if self.files is not None and flushed:
             # Every row written before the close records read above was in a CPU's batch
             # or the ring, and is drained now.
@@ -362,6 +372,11 @@ class Capture:
         while self._proc_rows:
             procs.append(self._proc_rows.popleft())
         out = {"process": pa.concat_tables(procs)} if procs else {}
+        changes = []
+        while self._sampling:
+            changes.append(self._sampling.popleft())
+        if changes:
+            out["event_sampling"] = pa.Table.from_batches(changes)
         if self.aggregate is not None:
             if self._stop.is_set():
                 if self._agg_final is not None:  # taken at stop(), before the maps went
