@@ -81,14 +81,13 @@ class Server:
                 out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
         return out
 
-    def complete(self, words: int, max_tokens: int, seed: int = 0) -> dict:
-        """One completion of a made-up prompt of `words` words (one token each), generating
-        exactly max_tokens tokens; returns the usage with the client's send and receive
-        times (CLOCK_MONOTONIC ns)."""
-        import random
-
-        rnd = random.Random(seed)
-        prompt = " ".join(rnd.choice(WORDS) for _ in range(words))
+    def complete(self, words: int, max_tokens: int, seed: int = 0,
+                 prompt: str | None = None) -> dict:
+        """One completion of a made-up prompt of `words` words (one token each), or of
+        `prompt`, generating exactly max_tokens tokens; returns the usage with the client's
+        send and receive times (CLOCK_MONOTONIC ns)."""
+        if prompt is None:
+            prompt = make_prompt(words, seed)
         body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
                            "ignore_eos": True, "temperature": 0}).encode()
         req = urllib.request.Request(self.url + "/v1/completions", body,
@@ -96,6 +95,10 @@ class Server:
         sent = time.monotonic_ns()
         usage = json.load(urllib.request.urlopen(req, timeout=120))["usage"]
         return {**usage, "sent_ns": sent, "done_ns": time.monotonic_ns()}
+
+    def post(self, path: str) -> None:
+        urllib.request.urlopen(urllib.request.Request(self.url + path, b"", method="POST"),
+                               timeout=60).read()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -107,6 +110,13 @@ class Server:
                 self.proc.wait()
 
 
+def make_prompt(words: int, seed: int) -> str:
+    import random
+
+    rnd = random.Random(seed)
+    return " ".join(rnd.choice(WORDS) for _ in range(words))
+
+
 def build_model(out: Path) -> Path:
     if not (out / "model.safetensors").exists():
         subprocess.run([str(venv() / "bin" / "python"), str(HERE / "make_model.py"), str(out)],
@@ -114,23 +124,27 @@ def build_model(out: Path) -> Path:
     return out
 
 
-def start(workdir: Path, timeout_s: float = 600) -> Server:
+def start(workdir: Path, timeout_s: float = 600, args: tuple[str, ...] = (),
+          env: dict[str, str] | None = None) -> Server:
+    """`args`, `env`: more of vLLM's own options and environment (a test's KV connector)."""
     model = build_model(workdir / "model")
     port = _free_port()
     sock = str(workdir / "marks.sock")
     log = workdir / "vllm.log"
+    extra_env = env or {}
     env = dict(os.environ, KVPROF_SOCKET=sock, VLLM_CPU_KVCACHE_SPACE="1",
                # no usage reports, no hub: nothing leaves the machine
                VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", DO_NOT_TRACK="1")
     for k in ("VLLM_PLUGINS", "OMP_NUM_THREADS"):
         env.pop(k, None)
+    env.update(extra_env)
     t0 = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [str(venv() / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
              "--model", str(model), "--served-model-name", MODEL_NAME,
              "--host", "127.0.0.1", "--port", str(port),
-             "--max-model-len", "2048", "--dtype", "bfloat16"],
+             "--max-model-len", "2048", "--dtype", "bfloat16", *args],
             stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             start_new_session=True)
     server = Server(proc, f"http://127.0.0.1:{port}", sock, log, 0.0)
