@@ -227,9 +227,11 @@ def test_a_metrics_only_session_has_its_phases_in_the_exact_tier(vllm, loopdev, 
           f"boundary {report['exact']['boundary']}")
 
 
-def test_windows_the_plugin_could_not_deliver_reach_the_report(vllm, loopdev, start_recorder):
-    """The recorder stopped (SIGSTOP) while the engine steps: the plugin's sends back up, wait,
-    then time out. What never arrived is counted, exactly."""
+def test_windows_held_up_by_a_stopped_recorder_all_reach_it(vllm, loopdev, start_recorder):
+    """The recorder stopped (SIGSTOP) for 3 s while the engine steps: the plugin's sends back
+    up and time out, and are sent again once it runs (the plugin's backlog is bounded; past it
+    windows are counted undelivered, tests/test_vllm_plugin.py): every step's window arrives,
+    late, and none is counted lost."""
     m0 = vllm.metrics()
     rec = start_recorder("-d", loopdev, "--phases", "vllm-plugin", socket=vllm.marks_socket)
     load = threading.Thread(target=lambda: [vllm.complete(400, 96, next(SEEDS))
@@ -246,15 +248,9 @@ def test_windows_the_plugin_could_not_deliver_reach_the_report(vllm, loopdev, st
     report = rec.report()
     steps = delta(m0, m1, "vllm:iteration_tokens_total_count")
     lost = report["session"]["lost_by_reason"]
-    undelivered = lost["marks_undelivered"]
     got = len(windows(rec.out, "hook"))
-    assert undelivered > 0, "the stop was meant to make the plugin drop windows"
-    assert got + undelivered + lost["marks_unsent"] == steps, (got, lost, steps)
-    text = subprocess.run([sys.executable, "-m", "kvprof", "report", str(rec.out)],
-                          capture_output=True, text=True).stdout
-    assert f"marks_undelivered {undelivered}" in text
-    print(f"stopped recorder: {steps:.0f} steps, {got} windows arrived, "
-          f"{undelivered} counted undelivered")
+    print(f"stopped recorder: {steps:.0f} steps, {got} windows arrived, lost {lost}")
+    assert (got, lost["marks_undelivered"], lost["marks_unsent"]) == (steps, 0, 0)
 
 
 def _journal_writer(directory: str, n: int) -> subprocess.Popen:
