@@ -41,10 +41,11 @@ def serve_with_connector(workdir: Path, root: Path, backend: str) -> tuple:
               "kv_connector_extra_config": {"backend": backend, "root": str(root),
                                             "log": str(log)}}
     server = vllm_server.start(workdir, args=("--kv-transfer-config", json.dumps(config)),
-                               env={"PYTHONPATH": str(REPO),
-                                    # /reset_prefix_cache: the engine's own cache dropped, as
-                                    # when its memory is needed, so a prefix comes from disk
-                                    "VLLM_SERVER_DEV_MODE": "1"})
+                               extra_env={"PYTHONPATH": str(REPO),
+                                          # /reset_prefix_cache: the engine's own cache
+                                          # dropped, as when its memory is needed, so a
+                                          # prefix comes from disk
+                                          "VLLM_SERVER_DEV_MODE": "1"})
     return server, log
 
 

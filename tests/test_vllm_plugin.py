@@ -211,6 +211,17 @@ def test_plugin_imports_without_vllm_and_never_raises(tmp_path):
     assert logger.sent == 0
 
 
+def _wait_received(server, n: int) -> None:
+    """Until the receiver holds n windows (5 s at most), then stop it."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        with server._lock:
+            if len(server.builder.rows) >= n:
+                break
+        time.sleep(0.05)
+    server.stop(time.monotonic_ns())
+
+
 def test_a_backed_up_receiver_gets_windows_late_and_counts_those_it_never_got(tmp_path):
     """The receiver reads nothing for a while (its queue holds net.unix.max_dgram_qlen
     datagrams): the sender neither blocks its caller nor drops silently. Windows wait in its
@@ -230,13 +241,7 @@ def test_a_backed_up_receiver_gets_windows_late_and_counts_those_it_never_got(tm
     server.start()
     m.window("decode", 10_000, 10_005)  # one after the gap: holes before it are seen
     assert m.flush(5)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        with server._lock:
-            if len(server.builder.rows) + m.lost >= 301:
-                break
-        time.sleep(0.05)
-    server.stop(time.monotonic_ns())
+    _wait_received(server, 301 - m.lost)
     got = server.take()["phase"].num_rows
     undelivered = server.counts()["marks_undelivered"]
     assert m.lost > 0
@@ -256,12 +261,6 @@ def test_a_receiver_starved_past_the_send_timeout_loses_nothing(tmp_path):
     time.sleep(0.5)  # several sends time out meanwhile
     server.start()
     assert m.flush(5)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        with server._lock:
-            if len(server.builder.rows) >= 200:
-                break
-        time.sleep(0.05)
-    server.stop(time.monotonic_ns())
+    _wait_received(server, 200)
     assert (server.take()["phase"].num_rows, m.lost, server.counts()["marks_undelivered"]) \
         == (200, 0, 0)

@@ -23,10 +23,10 @@ from kvprof.capture.gds import NAMES as GDS_PROBES
 from kvprof.capture.gds import find_cufile, usdt_contexts
 from kvprof.capture.procs import ProcessTable
 from kvprof.capture.ringbuf import RingReader
-from kvprof.sampling import Sampler
 from kvprof.devices import Device, by_number
 from kvprof.errors import EX_UNAVAILABLE, KvprofError
 from kvprof.privileges import SYS_BPF
+from kvprof.sampling import Sampler
 
 # Mirrors struct kvprof_io in probes/kvprof.h.
 EVENT_DTYPE = np.dtype(

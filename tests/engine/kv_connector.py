@@ -6,8 +6,8 @@ It stands in for vLLM's own offload connectors, which do not run on the CPU plat
 (`OffloadingConnector`'s fs tier refuses CPU, `LMCacheConnectorV1` finds no CPU connector:
 ../shared/reference/vllm-cpu.md). What it keeps real is what kvprof observes:
 - the I/O is the backend's own code: vLLM's fs tier (`FileMapper` names, `tiering/fs/io.py`
-  `batch_store_block` / `batch_load_block`: O_DIRECT, temp file + rename, one write or readv a
-  block);
+  `batch_store_block` / `batch_load_block`: O_DIRECT, temp file + rename, one write or read a
+  block, as strace shows);
 - the timing is the engine's: stores at `wait_for_save`, the end of the step that computed the
   blocks (a prefill step); loads at `start_load_kv`, before the forward of the step that needs
   them, which waits for them (sync loads).
@@ -188,6 +188,16 @@ class KvprofTestConnector(KVConnectorBase_V1):
     def _block_bytes(self) -> int:
         return sum(kv[0].numel() * kv.element_size() for kv in self._layers)
 
+    def _pieces(self, block_ids: list[int], nbytes: int):
+        """Each block's bytes in each layer, with where they go in a batch's buffer (a block
+        after another, its layers in order)."""
+        for i, block in enumerate(block_ids):
+            off = i * nbytes
+            for kv in self._layers:
+                piece = kv[block].view(-1).view(torch.uint8)  # a block is contiguous
+                yield piece, off
+                off += piece.numel()
+
     def _buffer(self, n: int) -> tuple[mmap.mmap, torch.Tensor]:
         # Page-aligned, as O_DIRECT wants.
         buf = mmap.mmap(-1, n * self._block_bytes())
@@ -201,12 +211,8 @@ class KvprofTestConnector(KVConnectorBase_V1):
             t0 = time.monotonic_ns()
             self._backend.load(t.keys, memoryview(buf), nbytes)
             t1 = time.monotonic_ns()
-            for i, block in enumerate(t.block_ids):
-                off = i * nbytes
-                for kv in self._layers:
-                    size = kv[block].numel() * kv.element_size()
-                    kv[block].view(-1).view(torch.uint8).copy_(flat[off:off + size])
-                    off += size
+            for piece, off in self._pieces(t.block_ids, nbytes):
+                piece.copy_(flat[off:off + piece.numel()])
             self._log("load", t0, t1, len(t.keys), len(t.keys) * nbytes)
             del flat
             buf.close()
@@ -222,12 +228,8 @@ class KvprofTestConnector(KVConnectorBase_V1):
         for t in meta.stores:
             nbytes = self._block_bytes()
             buf, flat = self._buffer(len(t.keys))
-            for i, block in enumerate(t.block_ids):
-                off = i * nbytes
-                for kv in self._layers:
-                    size = kv[block].numel() * kv.element_size()
-                    flat[off:off + size].copy_(kv[block].reshape(-1).view(torch.uint8))
-                    off += size
+            for piece, off in self._pieces(t.block_ids, nbytes):
+                flat[off:off + piece.numel()].copy_(piece)
             t0 = time.monotonic_ns()
             self._backend.store(t.keys, memoryview(buf), nbytes)
             self._log("store", t0, time.monotonic_ns(), len(t.keys), len(t.keys) * nbytes)

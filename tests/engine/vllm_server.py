@@ -125,19 +125,18 @@ def build_model(out: Path) -> Path:
 
 
 def start(workdir: Path, timeout_s: float = 600, args: tuple[str, ...] = (),
-          env: dict[str, str] | None = None) -> Server:
-    """`args`, `env`: more of vLLM's own options and environment (a test's KV connector)."""
+          extra_env: dict[str, str] | None = None) -> Server:
+    """`args`, `extra_env`: more of vLLM's options and environment (a test's KV connector)."""
     model = build_model(workdir / "model")
     port = _free_port()
     sock = str(workdir / "marks.sock")
     log = workdir / "vllm.log"
-    extra_env = env or {}
     env = dict(os.environ, KVPROF_SOCKET=sock, VLLM_CPU_KVCACHE_SPACE="1",
                # no usage reports, no hub: nothing leaves the machine
                VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1", DO_NOT_TRACK="1")
     for k in ("VLLM_PLUGINS", "OMP_NUM_THREADS"):
         env.pop(k, None)
-    env.update(extra_env)
+    env.update(extra_env or {})
     t0 = time.monotonic()
     with open(log, "w") as f:
         proc = subprocess.Popen(
