@@ -82,6 +82,10 @@ def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ex
             server.complete(600, 4, seed)
         warm = len(connector_log(log))
         assert warm and all(b["op"] == "store" for b in connector_log(log))
+        # ext4 commits its journal (the connector's file creates and renames) every 5 s:
+        # synced before the recorder attaches and before the last snapshot, so no commit
+        # falls between the snapshots and the recorder's attach or stop.
+        os.sync()
         rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "syscall",
                              "--phases", "vllm-plugin", socket=server.marks_socket)
         s0 = settle(loopdev)
@@ -93,6 +97,7 @@ def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ex
         again = server.complete(0, 16, prompt=prompt + " " + vllm_server.make_prompt(40, 12))
         time.sleep(0.5)
         external_after = external_tokens(server)
+        os.sync()
         s1 = settle(loopdev)
         assert rec.stop() == 0, "".join(rec.stderr_lines)
     finally:
