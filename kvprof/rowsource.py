@@ -411,12 +411,16 @@ class SqlRows(RowSource):
         if "cache" in missing_columns(self.cur, "io"):
             return []  # recorded before the syscall layer
         cond, params = _in_view(pieces, view)
-        # A thread is in one call at a time, so a block read it issued while in a read call
-        # belongs to that call: matched by thread and time.
+        # What a buffered read fetched is counted in the kernel as the call puts pages into
+        # the page cache (fetched_bytes). Where a session has no such count: a thread is in
+        # one call at a time, so a block read it issued while in a read call belongs to that
+        # call, matched by thread and time (O_DIRECT reads are matched so too).
+        fetched = ("NULL::UBIGINT" if "fetched_bytes" in missing_columns(self.cur, "io")
+                   else "io.fetched_bytes")
         return self._joined(pieces, f"""
             WITH s AS (
                 SELECT io.pid, io.issue_ns, io.complete_ns, io.bytes, io.op,
-                       coalesce(io.cache, 'other') AS cache,
+                       {fetched} AS fetched, coalesce(io.cache, 'other') AS cache,
                        (io.flags & {schema.FLAG_DIRECT}) <> 0 AS direct, w.w_phase AS phase
                 FROM (SELECT * FROM io WHERE {_and("layer = 'syscall'",
                                                    "op IN ('read', 'write')", cond)}) io
@@ -428,7 +432,8 @@ class SqlRows(RowSource):
                   ON b.pid = s.pid AND b.issue_ns >= s.issue_ns AND b.issue_ns < s.complete_ns
                 WHERE s.op = 'read' GROUP BY ALL)
             SELECT s.phase, s.cache, s.op, s.direct, count(*), sum(s.bytes)::UBIGINT,
-                   coalesce(sum(dev.bytes), 0)::UBIGINT
+                   coalesce(sum(CASE WHEN s.fetched IS NOT NULL AND NOT s.direct
+                                     THEN s.fetched ELSE dev.bytes END), 0)::UBIGINT
             FROM s LEFT JOIN dev ON dev.pid = s.pid AND dev.issue_ns = s.issue_ns
             GROUP BY ALL ORDER BY ALL""", params)
 

@@ -83,6 +83,10 @@ IO = pa.schema(
         # The device layers: this row stands for that many requests (the event tier kept 1
         # in sample_weight; see EVENT_SAMPLING); 1 elsewhere. Absent from older sessions.
         ("sample_weight", pa.uint32()),
+        # syscall reads: the bytes the call put into the page cache (what it missed, and the
+        # readahead it started), counted as it happened in the calling thread; NULL for other
+        # rows, and where the kernel lacks the tracepoint. Absent from older sessions.
+        ("fetched_bytes", pa.uint64()),
     ]
 )
 

@@ -61,7 +61,7 @@ struct kvprof_io {
     u64 insert_ns;
     u64 issue_ns;
     u64 complete_ns;
-    u64 sector;
+    u64 sector; /* block: the first sector; syscall reads: bytes fetched (syscall.bpf.c) */
     u64 cgroup_id;
     u64 ctx;   /* io_uring: the ring; syscall: the file id (see syscall.bpf.c) */
     u32 bytes; /* done */

@@ -42,6 +42,7 @@ struct file_val {
 struct sys_start {
     u64 enter_ns;
     u64 id;
+    u64 fetched; /* bytes this thread put into the page cache during the call */
     u32 asked;
     u16 flags;
     u8 op;
@@ -149,11 +150,31 @@ static __always_inline int sys_end(s64 ret)
     e.opcode = s->sysno;
     e.asked = s->asked;
     e.layer = KVPROF_LAYER_SYSCALL;
+    e.sector = s->fetched; /* no sector for a syscall: the slot carries what it fetched */
     bpf_get_current_comm(&e.comm, sizeof(e.comm));
     sys_start_map.delete(&tid);
     kvprof_emit(&e);
     return 0;
 }
+
+#ifdef KVPROF_FILEMAP
+/* A page a thread puts into the page cache while in a traced read call: the call missed it,
+ * or read it ahead. Counted here, in the thread, rather than from the block requests that
+ * fill it: those need not be the thread's own (the io controller's throttle submits the
+ * bios it held back from a worker of its own). */
+TRACEPOINT_PROBE(filemap, mm_filemap_add_to_page_cache)
+{
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    struct sys_start *s = sys_start_map.lookup(&tid);
+    if (s && s->op == KVPROF_OP_READ)
+#ifdef KVPROF_FILEMAP_ORDER
+        s->fetched += (u64)PAGE_SIZE << args->order;
+#else
+        s->fetched += PAGE_SIZE;
+#endif
+    return 0;
+}
+#endif
 
 TRACEPOINT_PROBE(syscalls, sys_enter_read)
 { return sys_begin(args->fd, KVPROF_OP_READ, SYS_READ, args->count); }

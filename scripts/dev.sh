@@ -83,6 +83,20 @@ vllm_env() {
       return 0
     fi
   fi
+  # LMCache's local disk backend for the offload tests, beside vLLM: without its
+  # dependencies, which are CUDA builds (cupy, cuda-python, cufile); what its disk backend
+  # imports on a CPU is these.
+  if ! "$venv/bin/python" -c 'import lmcache.v1.storage_backend.local_disk_backend' 2>/dev/null
+  then
+    if ! { "$venv/bin/pip" install --disable-pip-version-check --no-deps lmcache==0.5.6 &&
+           "$venv/bin/pip" install --disable-pip-version-check sortedcontainers aiofiles \
+             aiofile nvtx &&
+           "$venv/bin/python" -c 'import lmcache.v1.storage_backend.local_disk_backend'
+         } >>"$log" 2>&1; then
+      echo "scripts/dev.sh: lmcache could not be installed into $venv (see $log)" >&2
+      [ -z "${CI:-}" ] || exit 1
+    fi
+  fi
   "$venv/bin/pip" install -q --disable-pip-version-check -e . >>"$log" 2>&1
 }
 

@@ -123,6 +123,10 @@ def io_limit(dev: str, read_bps: int | None = None, write_bps: int | None = None
         yield
     finally:
         (root / "cgroup.procs").write_text(str(os.getpid()))
+        # A server started inside may still be exiting (its children reaped after it).
+        deadline = time.monotonic() + 30
+        while (cg / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
+            time.sleep(0.1)
         cg.rmdir()
 
 

@@ -136,10 +136,13 @@ def test_backend_file_io_per_phase_equals_what_the_backends_did(loopdev, ext4, s
 
 
 def lmcache_python() -> str | None:
-    """An interpreter that has the real lmcache (and torch): `KVPROF_LMCACHE_PYTHON`, or this
-    one. lmcache is not a dependency of kvprof; its wheel pulls in torch, CUDA libraries,
-    transformers and more, so CI does not install it."""
-    for py in (os.environ.get("KVPROF_LMCACHE_PYTHON"), sys.executable):
+    """An interpreter that has the real lmcache (and torch): `KVPROF_LMCACHE_PYTHON`, the
+    real vLLM's venv (`scripts/dev.sh test` installs lmcache there, without its CUDA
+    dependencies), or this one. lmcache is not a dependency of kvprof."""
+    from tests.engine.vllm_server import venv
+
+    for py in (os.environ.get("KVPROF_LMCACHE_PYTHON"), str(venv() / "bin" / "python"),
+               sys.executable):
         if py and subprocess.run([py, "-c", "import lmcache.v1.storage_backend."
                                   "local_disk_backend"], capture_output=True).returncode == 0:
             return py
@@ -148,8 +151,9 @@ def lmcache_python() -> str | None:
 
 @live
 @pytest.mark.skipif(lmcache_python() is None,
-                    reason="the real lmcache is not installed (it needs torch and more; set "
-                           "KVPROF_LMCACHE_PYTHON to an interpreter that has it)")
+                    reason="the real lmcache is not installed (bash scripts/dev.sh test puts "
+                           "it in the vLLM venv; or set KVPROF_LMCACHE_PYTHON to an "
+                           "interpreter that has it)")
 def test_the_real_lmcache_disk_backend_per_phase(loopdev, ext4, start_recorder):
     """LMCache's own LocalDiskBackend stores chunks in prefill and loads them twice in
     decode: kvprof's per-phase file I/O of its process equals the chunk files it left, the

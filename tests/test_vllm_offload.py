@@ -19,7 +19,9 @@ from kvprof.rowsource import SqlRows, ViewFilter
 from tests.conftest import (
     READ_SECTORS,
     WRITE_SECTORS,
+    io_limit,
     live,
+    run_kvprof,
     settle,
     stat_delta,
 )
@@ -29,7 +31,7 @@ pytestmark = live
 REPO = Path(__file__).resolve().parent.parent
 
 
-def serve_with_connector(workdir: Path, root: Path, backend: str) -> tuple:
+def serve_with_connector(workdir: Path, root: Path, backend: str, **options) -> tuple:
     why = vllm_server.unavailable()
     if why is not None:
         if os.environ.get("KVPROF_REQUIRE_VLLM") == "1":
@@ -39,7 +41,7 @@ def serve_with_connector(workdir: Path, root: Path, backend: str) -> tuple:
     config = {"kv_connector": "KvprofTestConnector",
               "kv_connector_module_path": "tests.engine.kv_connector", "kv_role": "kv_both",
               "kv_connector_extra_config": {"backend": backend, "root": str(root),
-                                            "log": str(log)}}
+                                            "log": str(log), "options": options}}
     server = vllm_server.start(workdir, args=("--kv-transfer-config", json.dumps(config)),
                                extra_env={"PYTHONPATH": str(REPO),
                                           # /reset_prefix_cache: the engine's own cache
@@ -69,6 +71,35 @@ def window_at(con, t: int) -> tuple[str, int | None]:
     row = con.execute("SELECT phase, prefill_tokens FROM phase WHERE source = 'hook' "
                       "AND start_ns <= ? AND end_ns > ?", [t, t]).fetchall()
     return row[0] if row else ("idle", None)
+
+
+def by_windows(con, batches: list[dict]) -> tuple[dict, dict]:
+    """The connector's batches by the engine's windows: phase -> op -> [calls, bytes], and
+    per op the prompt tokens of the steps that held them."""
+    want: dict[str, dict[str, list[int]]] = {}
+    steps: dict[str, set] = {}
+    for b in batches:
+        phase, step_tokens = window_at(con, b["start_ns"])
+        assert window_at(con, b["end_ns"] - 1) == (phase, step_tokens), \
+            (b, "a batch across windows")
+        steps.setdefault(b["op"], set()).add(step_tokens)
+        got = want.setdefault(phase, {}).setdefault(
+            "write" if b["op"] == "store" else "read", [0, 0])
+        got[0] += b["calls"]
+        got[1] += b["bytes"]
+    return want, steps
+
+
+def assert_caches(con, want: dict, cache: str) -> dict:
+    """kvprof's per-phase calls and bytes of `cache` are the connector's; returns kvprof's
+    phases (the event tier's summary)."""
+    mine = summarize(SqlRows(con), view=ViewFilter())["phases"]
+    for phase in schema.PHASES:
+        for op in ("read", "write"):
+            calls, nbytes = want.get(phase, {}).get(op, [0, 0])
+            got = mine[phase]["caches"].get(cache, {}).get(op, {"ios": 0, "bytes": 0})
+            assert (got["ios"], got["bytes"]) == (calls, nbytes), (phase, op, got)
+    return mine
 
 
 def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ext4, tmp_path,
@@ -118,32 +149,17 @@ def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ex
     con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
     try:
         # The engine's windows say in which phase each batch ran.
-        want: dict[str, dict[str, list[int]]] = {}
-        steps = {}
-        for b in batches:
-            phase, step_tokens = window_at(con, b["start_ns"])
-            assert window_at(con, b["end_ns"] - 1) == (phase, step_tokens), \
-                (b, "a batch across windows")
-            steps[b["op"]] = step_tokens
-            got = want.setdefault(phase, {}).setdefault(
-                "write" if b["op"] == "store" else "read", [0, 0])
-            got[0] += b["calls"]
-            got[1] += b["bytes"]
+        want, steps = by_windows(con, batches)
         print(f"connector by the engine's windows: {want}; prompt tokens of the "
               f"steps holding them: {steps}")
         # The store ran in the step that prefilled the first prompt, the load in the step
         # that prefilled the second (the plugin's windows count a step's whole prompts), and
         # the engine counted the loaded tokens as its own external KV transfer.
-        assert steps == {"store": first["prompt_tokens"], "load": again["prompt_tokens"]}
+        assert steps == {"store": {first["prompt_tokens"]}, "load": {again["prompt_tokens"]}}
         loaded = sum(b["blocks"] * b["block_tokens"] for b in loads)
         assert external_after - external_before == loaded
-        assert set(want.get("prefill", {})) == {"write", "read"}
-        mine = summarize(SqlRows(con), view=ViewFilter())["phases"]
-        for phase, ops in want.items():
-            caches = mine[phase]["caches"]
-            for op, (calls, nbytes) in ops.items():
-                got = caches["vllm-fs-tier"][op]
-                assert (got["ios"], got["bytes"]) == (calls, nbytes), (phase, op, got)
+        assert set(want) == {"prefill"} and set(want["prefill"]) == {"write", "read"}
+        mine = assert_caches(con, want, "vllm-fs-tier")
         # O_DIRECT: every byte read came from the device, none from the page cache.
         read = mine["prefill"]["caches"]["vllm-fs-tier"]["read"]
         assert read["device_bytes"] == read["bytes"] and read["page_cache_hit_pct"] is None
@@ -160,3 +176,150 @@ def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ex
     total = report["exact"]["totals"]["block"]
     assert total["write"]["bytes"] == d[WRITE_SECTORS] * 512
     assert total.get("read", {}).get("bytes", 0) == d[READ_SECTORS] * 512
+
+
+# LMCache's cold reads, one reader against several, as the seeds measured them (LMCache's
+# parallel-read change: cold-read TTFT 37.97 s -> 9.30 s): the device under the engine held to
+# this read rate by the kernel's io controller.
+LMCACHE_READ_BPS = 16 << 20
+PROMPTS, PROMPT_WORDS, TAIL_WORDS, GENERATED = 3, 1800, 40, 16
+
+
+def drop_cached_pages(root: Path) -> None:
+    """The chunk files out of the page cache (written back first): the next reads are cold."""
+    os.sync()
+    for f in root.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def lmcache_run(readers: int, loopdev: str, ext4: Path, tmp_path: Path, start_recorder
+                ) -> dict:
+    """The real vLLM with LMCache's disk backend on the slowed device: three prompts stored
+    (recorded as `stores`), then, cold, the same prefixes with new tails loaded back
+    (recorded as `loads`)."""
+    work = tmp_path / f"readers-{readers}"
+    work.mkdir()
+    root = ext4 / f"lmcache-{readers}"
+    prompts = [vllm_server.make_prompt(PROMPT_WORDS, 30 + k) for k in range(PROMPTS)]
+    tail = " " + vllm_server.make_prompt(TAIL_WORDS, 12)
+    out: dict = {"readers": readers}
+    with io_limit(loopdev, read_bps=LMCACHE_READ_BPS):
+        server, log = serve_with_connector(work, root, "lmcache", readers=readers)
+        try:
+            # The shapes of both halves compiled first (torch compiles a batch shape on first
+            # use), with other words.
+            warm = vllm_server.make_prompt(PROMPT_WORDS, 29)
+            server.complete(0, GENERATED, prompt=warm)
+            server.post("/reset_prefix_cache")
+            server.complete(0, GENERATED, prompt=warm + tail)
+            done = len(connector_log(log))
+            phases = ("--phases", "vllm-plugin", "--phases",
+                      f"vllm-metrics={server.url}/metrics")
+            for name, requests in (("stores", prompts), ("loads", [p + tail for p in prompts])):
+                os.sync()  # ext4's journal commits before the recorder attaches (see above)
+                rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "syscall",
+                                     *phases, name=f"{readers}-{name}",
+                                     socket=server.marks_socket)
+                s0 = settle(loopdev)
+                ext0 = external_tokens(server)
+                usage = [server.complete(0, GENERATED, prompt=p) for p in requests]
+                time.sleep(0.5)  # the last steps' windows and a scrape after them
+                ext1 = external_tokens(server)
+                os.sync()  # the stores written back while recording: given back to prefill
+                s1 = settle(loopdev)
+                assert rec.stop() == 0, "".join(rec.stderr_lines)
+                batches = connector_log(log)[done:]
+                done += len(batches)
+                out[name] = {"rec": rec, "usage": usage, "batches": batches,
+                             "disk": stat_delta(s0, s1), "external": ext1 - ext0}
+                if name == "stores":
+                    drop_cached_pages(root)
+                    server.post("/reset_prefix_cache")  # the prefixes only on disk now
+        finally:
+            server.stop()
+    return out
+
+
+def check_lmcache_session(run: dict, name: str) -> dict:
+    """One recording against the connector's own counts, the engine's windows and counters,
+    and the device's diskstats; returns its report."""
+    part = run[name]
+    rec, batches, usage = part["rec"], part["batches"], part["usage"]
+    op = "store" if name == "stores" else "load"
+    assert batches and {b["op"] for b in batches} == {op}, batches
+    nbytes = sum(b["bytes"] for b in batches)
+    if op == "store":  # every full block of each prompt
+        assert sum(b["blocks"] for b in batches) == sum(
+            u["prompt_tokens"] // batches[0]["block_tokens"] for u in usage)
+    report = rec.report()
+    con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
+    try:
+        want, steps = by_windows(con, batches)
+        # Each batch ran in the prefill step of its own request.
+        assert set(want) == {"prefill"}, want
+        assert steps == {op: {u["prompt_tokens"] for u in usage}}, steps
+        mine = assert_caches(con, want, "lmcache-disk")
+        rows = con.execute("SELECT DISTINCT tgid FROM io WHERE cache = 'lmcache-disk'"
+                           ).fetchall()
+        assert {t for (t,) in rows} == {b["pid"] for b in batches}
+    finally:
+        con.close()
+    d = part["disk"]
+    total = report["exact"]["totals"]["block"]
+    got_w = total.get("write", {}).get("bytes", 0)
+    got_r = total.get("read", {}).get("bytes", 0)
+    assert (got_w, got_r) == (d[WRITE_SECTORS] * 512, d[READ_SECTORS] * 512)
+    c = mine["prefill"]["caches"]["lmcache-disk"]
+    if op == "store":
+        # Buffered: the flush threads wrote every stored byte back while the engine idled,
+        # given back to the prefill steps that wrote them; nothing unexplained.
+        wb = report["phases"]["prefill"]["writeback"]
+        assert wb["caches"]["lmcache-disk"]["bytes"] == nbytes, wb
+        assert report["session"]["writeback_unattributed"]["bytes"] == 0
+        assert part["external"] == 0
+    else:
+        # Cold: every byte read came from the device (the page cache served none), and the
+        # device read nothing else; the engine counted the loaded tokens as its own.
+        assert c["read"]["device_bytes"] == nbytes == got_r
+        assert c["read"]["page_cache_hit_pct"] == 0.0
+        assert part["external"] == sum(b["blocks"] * b["block_tokens"] for b in batches)
+    return report
+
+
+def test_lmcache_disk_cold_reads_one_reader_against_several(loopdev, ext4, tmp_path,
+                                                            start_recorder):
+    runs = [lmcache_run(r, loopdev, ext4, tmp_path, start_recorder) for r in (1, 4)]
+    loads = []
+    for run in runs:
+        check_lmcache_session(run, "stores")
+        loads.append(check_lmcache_session(run, "loads"))
+        # What was stored came back, block for block.
+        assert [sum(b["blocks"] for b in run[n]["batches"]) for n in ("stores", "loads")
+                ] == [sum(b["blocks"] for b in run["stores"]["batches"])] * 2
+    a, b = (str(run["loads"]["rec"].out) for run in runs)
+    r = run_kvprof("compare", a, b, "--json")
+    assert r.returncode == 0, r.stderr
+    got = {f["name"]: f for f in json.loads(r.stdout)["figures"]}
+    # The compare's figures are the reports' own.
+    for rep, side in zip(loads, ("a", "b")):
+        assert got["prefill.read.bandwidth"][side] == \
+            rep["phases"]["prefill"]["block"]["read"]["bandwidth_bytes_per_s"]
+        assert got["ttft"][side] == rep["engine"]["ttft_s"]
+    bw, ttft = got["prefill.read.bandwidth"], got["ttft"]
+    print(f"LMCache cold reads at {LMCACHE_READ_BPS >> 20} MiB/s, 1 reader -> 4: prefill read "
+          f"bandwidth {bw['a'] / 1e6:.2f} -> {bw['b'] / 1e6:.2f} MB/s "
+          f"({bw['change_pct']:+.1f} %), TTFT {ttft['a']:.3f} -> {ttft['b']:.3f} s "
+          f"({ttft['change_pct']:+.1f} %)")
+    # Gates around the measured changes: short of them pass, past them fail (exit 1).
+    for name in ("ttft", "prefill.read.bandwidth"):
+        change = got[name]["change_pct"]
+        assert change != 0
+        short, past = change * 0.9, change * 1.1
+        ok = run_kvprof("compare", a, b, "--gate", f"{name}={short:+.4f}%")
+        assert ok.returncode == 0, ok.stdout
+        bad = run_kvprof("compare", a, b, "--gate", f"{name}={past:+.4f}%")
+        assert bad.returncode == 1 and "FAIL" in bad.stdout, bad.stdout

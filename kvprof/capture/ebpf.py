@@ -75,6 +75,7 @@ LAYER_SYSCALL = schema.LAYERS.index(schema.LAYER_SYSCALL)
 LAYER_TCP = schema.LAYERS.index(schema.LAYER_TCP)
 LAYER_GDS = schema.LAYERS.index(schema.LAYER_GDS)
 LAYER_WRITEBACK = 7  # KVPROF_LAYER_WRITEBACK: writeback bios, not io rows
+OP_READ = schema.OPS.index("read")
 DRAIN_INTERVAL_S = 0.02
 # 16 MiB: about 170 k events, most of a second at 250 k events/s, so a pause of the Python
 # side (a store flush holding the GIL) does not overflow the ring.
@@ -100,6 +101,25 @@ class ProbeProgram:
     cflags: tuple[str, ...]
 
 
+FILEMAP_FORMAT = "events/filemap/mm_filemap_add_to_page_cache/format"
+
+
+def filemap_defines() -> list[str]:
+    """The syscall layer's page-cache probe, where this kernel has the tracepoint (with the
+    folio order it added in 5.18, else a page an event); without it, none, and a read's
+    device bytes are the block reads its thread issued during the call."""
+    from kvprof.system import TRACEFS_CANDIDATES
+
+    for root in TRACEFS_CANDIDATES:
+        try:
+            text = (root / FILEMAP_FORMAT).read_text()
+        except OSError:
+            continue
+        return ["-DKVPROF_FILEMAP",
+                *(["-DKVPROF_FILEMAP_ORDER"] if " order;" in text else [])]
+    return []
+
+
 def build_program(layers: tuple[str, ...], filters: CaptureFilter,
                   ringbuf_pages: int = RINGBUF_PAGES, device_events: bool = True) -> ProbeProgram:
     d = probe_dir()
@@ -113,6 +133,8 @@ def build_program(layers: tuple[str, ...], filters: CaptureFilter,
     cflags += [f"-D{name}={value}" for name, value in layout_defines(layers).items()]
     if not device_events:
         cflags.append("-DKVPROF_NO_DEVICE_EVENTS")
+    if "syscall" in layers:
+        cflags += filemap_defines()
     if {"syscall", "tcp", "gds"} & set(layers):
         cflags.append(f"-DKVPROF_SELF_TGID={os.getpid()}")
         if "block" in layers:
@@ -141,6 +163,7 @@ class Capture:
         self.layers = layers
         self.filters = filters
         self.program = build_program(layers, filters, ringbuf_pages, device_events)
+        self._filemap = "-DKVPROF_FILEMAP" in self.program.cflags
         usdt: list = []
         if "gds" in layers:
             lib = find_cufile()
@@ -513,6 +536,9 @@ class Capture:
             "inode": per_file("inode", pa.uint64()),
             "sample_weight": pa.array(np.left_shift(np.uint32(1), ev["sample_shift"]
                                                     .astype(np.uint32))),
+            # (a syscall row's sector slot: what the read put into the page cache)
+            "fetched_bytes": pa.array(ev["sector"], pa.uint64(),
+                                      mask=~(sysc & (ev["op"] == OP_READ) & self._filemap)),
         }
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO], schema=schema.IO)
 

@@ -5,9 +5,10 @@ own I/O code and loads them back for a request whose prefix was stored.
 It stands in for vLLM's own offload connectors, which do not run on the CPU platform
 (`OffloadingConnector`'s fs tier refuses CPU, `LMCacheConnectorV1` finds no CPU connector:
 ../shared/reference/vllm-cpu.md). What it keeps real is what kvprof observes:
-- the I/O is the backend's own code: vLLM's fs tier (`FileMapper` names, `tiering/fs/io.py`
-  `batch_store_block` / `batch_load_block`: O_DIRECT, temp file + rename, one write or read a
-  block, as strace shows);
+- the I/O is the backend's own code: vLLM's fs tier (`fs`: `FileMapper` names,
+  `tiering/fs/io.py` `batch_store_block` / `batch_load_block`: O_DIRECT, temp file + rename,
+  one write or read a block, as strace shows), or LMCache's local disk backend (`lmcache`:
+  a buffered `.pt` file a block; option `readers`, its read threads);
 - the timing is the engine's: stores at `wait_for_save`, the end of the step that computed the
   blocks (a prefill step); loads at `start_load_kv`, before the forward of the step that needs
   them, which waits for them (sync loads).
@@ -83,7 +84,77 @@ class FsTier:
                                   use_o_direct=self.direct)
 
 
-BACKENDS = {"fs": FsTier}
+class LmcacheDisk:
+    """LMCache's `LocalDiskBackend` with its CPU allocator: a buffered `.pt` file per chunk
+    (here a chunk is one vLLM block), written by its disk worker threads and read back by
+    `batched_get_blocking`, which fans the reads out on `readers` threads (its
+    `disk_io_threads`: the parallel-read change). The connector waits at the engine's save
+    point for LMCache's puts to finish (LMCache's own connector does not wait, and its writes
+    land in the steps after); LMCache keeps its index in memory, so a chunk is loaded only by
+    the worker that stored it."""
+
+    cache = "lmcache-disk"
+    direct = False
+
+    def __init__(self, root: str, model: str, block_size: int, readers: int = 4) -> None:
+        import asyncio
+
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
+        from lmcache.v1.memory_management import MemoryFormat
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+        from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+        os.makedirs(root, exist_ok=True)
+        config = LMCacheEngineConfig.from_defaults(
+            chunk_size=block_size, local_cpu=False, local_disk=root,
+            max_local_disk_size=4.0, extra_config={"disk_io_threads": readers})
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="lmcache-loop",
+                         daemon=True).start()
+        cpu = LocalCPUBackend(config, memory_allocator=AdHocMemoryAllocator("cpu"),
+                              dst_device="cpu")
+        self._disk = LocalDiskBackend(config, self._loop, cpu, dst_device="cpu")
+        self._cpu = cpu
+        self._key = lambda k: CacheEngineKey(model.replace("/", "-"), 1, 0,
+                                             int.from_bytes(k, "little"), torch.bfloat16)
+        self._fmt = MemoryFormat.KV_2LTD
+
+    def has(self, key: bytes) -> bool:
+        # Asked on the scheduler's side, whose LMCache instance stored nothing (LMCache's own
+        # connector asks the worker's over its lookup server): the chunk's file, by its name.
+        return os.path.exists(self._disk._key_to_path(self._key(key)))
+
+    def store(self, keys: list[bytes], view: memoryview, nbytes: int) -> None:
+        done = threading.Semaphore(0)
+        waits = 0
+        for i, k in enumerate(keys):
+            if self._disk.contains(self._key(k)):  # LMCache skips it, calling nothing back
+                continue
+            obj = self._cpu.allocate(torch.Size([nbytes // 2]), torch.bfloat16, self._fmt)
+            self._bytes(obj).copy_(torch.frombuffer(view, dtype=torch.uint8,
+                                                    count=nbytes, offset=i * nbytes))
+            self._disk.submit_put_task(self._key(k), obj,
+                                       on_complete_callback=lambda _k: done.release())
+            obj.ref_count_down()  # the put holds its own reference until written
+            waits += 1
+        for _ in range(waits):
+            done.acquire()
+
+    def load(self, keys: list[bytes], view: memoryview, nbytes: int) -> None:
+        objs = self._disk.batched_get_blocking([self._key(k) for k in keys])
+        for i, obj in enumerate(objs):
+            torch.frombuffer(view, dtype=torch.uint8, count=nbytes,
+                             offset=i * nbytes).copy_(self._bytes(obj))
+            obj.ref_count_down()
+
+    @staticmethod
+    def _bytes(obj) -> torch.Tensor:
+        return obj.tensor.view(-1).view(torch.uint8)
+
+
+BACKENDS = {"fs": FsTier, "lmcache": LmcacheDisk}
 
 
 def block_keys(token_ids, block_size: int, blocks: int) -> list[bytes]:
@@ -104,7 +175,8 @@ class KvprofTestConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config
         self._bs = vllm_config.cache_config.block_size
         self._backend = BACKENDS[extra.get("backend", "fs")](
-            extra["root"], vllm_config.model_config.served_model_name or "model", self._bs)
+            extra["root"], vllm_config.model_config.served_model_name or "model", self._bs,
+            **extra.get("options", {}))
         self._log_path = extra["log"]
         self._log_lock = threading.Lock()
         # scheduler side
