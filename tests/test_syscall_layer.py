@@ -22,6 +22,7 @@ from tests.conftest import (
     WRITE_SECTORS,
     assert_kernel_count,
     live,
+    require,
     settle,
     stat_delta,
 )
@@ -156,11 +157,8 @@ def test_the_real_lmcache_disk_backend_per_phase(loopdev, ext4, start_recorder):
     second load is all page-cache hits, and the flush threads' writeback of its buffered
     chunks goes back to prefill."""
     if lmcache_python() is None:
-        why = ("the real lmcache is not installed (bash scripts/dev.sh test puts it in the "
-               "vLLM venv; or set KVPROF_LMCACHE_PYTHON to an interpreter that has it)")
-        if os.environ.get("KVPROF_REQUIRE_VLLM") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
+        require("the real lmcache is not installed (bash scripts/dev.sh test puts it in the "
+                "vLLM venv; or set KVPROF_LMCACHE_PYTHON to an interpreter that has it)")
     rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "syscall")
     settle(loopdev)
     work = subprocess.Popen([lmcache_python(), str(ROOT / "tests" / "lmcache_driver.py"),

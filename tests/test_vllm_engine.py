@@ -21,7 +21,7 @@ import duckdb
 import pytest
 
 from kvprof.devices import by_number, queue_limits
-from tests.conftest import live
+from tests.conftest import live, require
 from tests.engine import vllm_server
 
 pytestmark = live
@@ -32,11 +32,7 @@ SEEDS = itertools.count(int(time.time() * 1000) % 10**9)
 
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
-    why = vllm_server.unavailable()
-    if why is not None:
-        if os.environ.get("KVPROF_REQUIRE_VLLM") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
+    require(vllm_server.unavailable())
     server = vllm_server.start(tmp_path_factory.mktemp("vllm"))
     try:
         # torch compiles each new batch shape on first use: the tests time the engine's

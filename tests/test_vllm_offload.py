@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import duckdb
-import pytest
 
 from kvprof import schema
 from kvprof.correlate import summarize
@@ -21,6 +22,7 @@ from tests.conftest import (
     WRITE_SECTORS,
     io_limit,
     live,
+    require,
     run_kvprof,
     settle,
     stat_delta,
@@ -32,23 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def serve_with_connector(workdir: Path, root: Path, backend: str, **options) -> tuple:
-    why = vllm_server.unavailable()
-    if why is not None:
-        if os.environ.get("KVPROF_REQUIRE_VLLM") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
-    log = workdir / "connector.jsonl"
-    config = {"kv_connector": "KvprofTestConnector",
-              "kv_connector_module_path": "tests.engine.kv_connector", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"backend": backend, "root": str(root),
-                                            "log": str(log), "options": options}}
-    server = vllm_server.start(workdir, args=("--kv-transfer-config", json.dumps(config)),
-                               extra_env={"PYTHONPATH": str(REPO),
-                                          # /reset_prefix_cache: the engine's own cache
-                                          # dropped, as when its memory is needed, so a
-                                          # prefix comes from disk
-                                          "VLLM_SERVER_DEV_MODE": "1"})
-    return server, log
+    require(vllm_server.unavailable())
+    server = vllm_server.start_with_connector(workdir, root, backend, **options)
+    return server, workdir / "connector.jsonl"
 
 
 def connector_log(log: Path) -> list[dict]:
@@ -323,3 +311,24 @@ def test_lmcache_disk_cold_reads_one_reader_against_several(loopdev, ext4, tmp_p
         assert ok.returncode == 0, ok.stdout
         bad = run_kvprof("compare", a, b, "--gate", f"{name}={past:+.4f}%")
         assert bad.returncode == 1 and "FAIL" in bad.stdout, bad.stdout
+
+
+def test_the_vllm_demo_job_shows_the_real_engine_offloading(tmp_path):
+    """`bash scripts/dev.sh demo-vllm --no-tui`: the real vLLM with the fs tier, a client
+    asking about stored documents, kvprof attached as a user would; its report has the
+    engine's stores and loads, in prefill."""
+    require(vllm_server.unavailable())
+    out = tmp_path / "session"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "vllm_demo.py"), "--no-tui",
+                        "--seconds", "20", "-o", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "prefill" in r.stdout
+    report = json.loads(run_kvprof("report", str(out), "--json").stdout)
+    tier = report["phases"]["prefill"]["caches"]["vllm-fs-tier"]
+    print(f"demo-vllm: prefill {tier['write']['bytes']} B stored, {tier['read']['bytes']} B "
+          f"loaded; windows {report['phases']['prefill']['windows']} prefill, "
+          f"{report['phases']['decode']['windows']} decode")
+    assert tier["write"]["bytes"] > 0 and tier["read"]["bytes"] > 0
+    assert tier["read"]["direct_bytes"] == tier["read"]["bytes"]
+    assert report["phases"]["decode"]["windows"] > 0

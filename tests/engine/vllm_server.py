@@ -124,6 +124,20 @@ def build_model(out: Path) -> Path:
     return out
 
 
+def start_with_connector(workdir: Path, root: Path, backend: str, **options) -> Server:
+    """Served with the tests' KV connector (kv_connector.py) offloading to `root` through
+    `backend`; what it did goes to workdir/connector.jsonl. The dev-mode endpoint
+    /reset_prefix_cache drops the engine's own prefix cache, as when its memory is needed,
+    so a prefix comes back from disk."""
+    config = {"kv_connector": "KvprofTestConnector",
+              "kv_connector_module_path": "tests.engine.kv_connector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"backend": backend, "root": str(root),
+                                            "log": str(workdir / "connector.jsonl"),
+                                            "options": options}}
+    return start(workdir, args=("--kv-transfer-config", json.dumps(config)),
+                 extra_env={"PYTHONPATH": str(REPO), "VLLM_SERVER_DEV_MODE": "1"})
+
+
 def start(workdir: Path, timeout_s: float = 600, args: tuple[str, ...] = (),
           extra_env: dict[str, str] | None = None) -> Server:
     """`args`, `extra_env`: more of vLLM's options and environment (a test's KV connector)."""
