@@ -42,7 +42,12 @@ def ask(server: vllm_server.Server, stop: threading.Event) -> None:
             if stop.is_set():
                 return
             question = vllm_server.make_prompt(QUESTION_WORDS, n * DOCUMENTS + i)
-            server.complete(0, ANSWER_TOKENS, prompt=doc + " " + question)
+            try:
+                server.complete(0, ANSWER_TOKENS, prompt=doc + " " + question)
+            except OSError:
+                if stop.is_set():
+                    return  # the server is stopping: its last request fails
+                raise
         server.post("/reset_prefix_cache")  # the engine's own copy gone: next round from disk
         n += 1
 
