@@ -105,9 +105,9 @@ FILEMAP_FORMAT = "events/filemap/mm_filemap_add_to_page_cache/format"
 
 
 def filemap_defines() -> list[str]:
-    """The syscall layer's page-cache probe, where this kernel has the tracepoint (with the
-    folio order it added in 5.18, else a page an event); without it, none, and a read's
-    device bytes are the block reads its thread issued during the call."""
+    """The syscall layer's page-cache probe, where this kernel has the tracepoint (sized by
+    the folio order where its tracepoint gives one, else a page an event); without it,
+    none, and a read's device bytes are the block reads its thread issued during the call."""
     from kvprof.system import TRACEFS_CANDIDATES
 
     for root in TRACEFS_CANDIDATES:
