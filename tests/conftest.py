@@ -229,6 +229,8 @@ class Recorder:
         self.proc.send_signal(sig)
         rc = self.proc.wait(timeout)
         self._reader.join(5)
+        if rc != 0:  # shown with the failing test (the assertion's repr cuts it short)
+            print(f"recorder exited {rc}; its stderr:\n" + "".join(self.stderr_lines))
         return rc
 
     def report(self) -> dict:
