@@ -430,7 +430,7 @@ class SqlRows(RowSource):
                 FROM s JOIN (SELECT pid, issue_ns, {weighted_bytes(self.cur)} AS bytes FROM io
                              WHERE layer = 'block' AND op = 'read') b
                   ON b.pid = s.pid AND b.issue_ns >= s.issue_ns AND b.issue_ns < s.complete_ns
-                WHERE s.op = 'read' GROUP BY ALL)
+                WHERE s.op = 'read' AND (s.fetched IS NULL OR s.direct) GROUP BY ALL)
             SELECT s.phase, s.cache, s.op, s.direct, count(*), sum(s.bytes)::UBIGINT,
                    coalesce(sum(CASE WHEN s.fetched IS NOT NULL AND NOT s.direct
                                      THEN s.fetched ELSE dev.bytes END), 0)::UBIGINT

@@ -156,12 +156,13 @@ def test_the_real_lmcache_disk_backend_per_phase(loopdev, ext4, start_recorder):
     decode: kvprof's per-phase file I/O of its process equals the chunk files it left, the
     second load is all page-cache hits, and the flush threads' writeback of its buffered
     chunks goes back to prefill."""
-    if lmcache_python() is None:
+    py = lmcache_python()
+    if py is None:
         require("the real lmcache is not installed (bash scripts/dev.sh test puts it in the "
                 "vLLM venv; or set KVPROF_LMCACHE_PYTHON to an interpreter that has it)")
     rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "syscall")
     settle(loopdev)
-    work = subprocess.Popen([lmcache_python(), str(ROOT / "tests" / "lmcache_driver.py"),
+    work = subprocess.Popen([py, str(ROOT / "tests" / "lmcache_driver.py"),
                              str(ext4 / "lmcache"), rec.socket],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -90,6 +90,16 @@ def assert_caches(con, want: dict, cache: str) -> dict:
     return mine
 
 
+def assert_device_is_diskstats(report: dict, s0: list[int], s1: list[int]) -> int:
+    """What the kernel counted between the snapshots, in bytes written and read, is
+    kvprof's exact count from attach on; returns the bytes read."""
+    d = stat_delta(s0, s1)
+    total = report["exact"]["totals"]["block"]
+    got = (total.get("write", {}).get("bytes", 0), total.get("read", {}).get("bytes", 0))
+    assert got == (d[WRITE_SECTORS] * 512, d[READ_SECTORS] * 512)
+    return got[1]
+
+
 def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ext4, tmp_path,
                                                                      start_recorder):
     root = ext4 / "kv"
@@ -160,10 +170,7 @@ def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ex
     assert "vllm-fs-tier" not in report["phases"]["prefill"].get("writeback", {}).get(
         "caches", {})
     # The device: what the kernel counted from attach on, in bytes, is kvprof's exact count.
-    d = stat_delta(s0, s1)
-    total = report["exact"]["totals"]["block"]
-    assert total["write"]["bytes"] == d[WRITE_SECTORS] * 512
-    assert total.get("read", {}).get("bytes", 0) == d[READ_SECTORS] * 512
+    assert_device_is_diskstats(report, s0, s1)
 
 
 # LMCache's cold reads, one reader against several, as the seeds measured them (LMCache's
@@ -223,7 +230,7 @@ def lmcache_run(readers: int, loopdev: str, ext4: Path, tmp_path: Path, start_re
                 batches = connector_log(log)[done:]
                 done += len(batches)
                 out[name] = {"rec": rec, "usage": usage, "batches": batches,
-                             "disk": stat_delta(s0, s1), "external": ext1 - ext0}
+                             "disk": (s0, s1), "external": ext1 - ext0}
                 if name == "stores":
                     drop_cached_pages(root)
                     server.post("/reset_prefix_cache")  # the prefixes only on disk now
@@ -256,11 +263,7 @@ def check_lmcache_session(run: dict, name: str) -> dict:
         assert {t for (t,) in rows} == {b["pid"] for b in batches}
     finally:
         con.close()
-    d = part["disk"]
-    total = report["exact"]["totals"]["block"]
-    got_w = total.get("write", {}).get("bytes", 0)
-    got_r = total.get("read", {}).get("bytes", 0)
-    assert (got_w, got_r) == (d[WRITE_SECTORS] * 512, d[READ_SECTORS] * 512)
+    got_r = assert_device_is_diskstats(report, *part["disk"])
     c = mine["prefill"]["caches"]["lmcache-disk"]
     if op == "store":
         # Buffered: the flush threads wrote every stored byte back while the engine idled,
@@ -286,8 +289,9 @@ def test_lmcache_disk_cold_reads_one_reader_against_several(loopdev, ext4, tmp_p
         check_lmcache_session(run, "stores")
         loads.append(check_lmcache_session(run, "loads"))
         # What was stored came back, block for block.
-        assert [sum(b["blocks"] for b in run[n]["batches"]) for n in ("stores", "loads")
-                ] == [sum(b["blocks"] for b in run["stores"]["batches"])] * 2
+        stored, loaded = (sum(b["blocks"] for b in run[n]["batches"])
+                          for n in ("stores", "loads"))
+        assert loaded == stored
     a, b = (str(run["loads"]["rec"].out) for run in runs)
     r = run_kvprof("compare", a, b, "--json")
     assert r.returncode == 0, r.stderr

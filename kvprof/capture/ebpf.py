@@ -27,6 +27,7 @@ from kvprof.devices import Device, by_number
 from kvprof.errors import EX_UNAVAILABLE, KvprofError
 from kvprof.privileges import SYS_BPF
 from kvprof.sampling import Sampler
+from kvprof.system import tracefs
 
 # Mirrors struct kvprof_io in probes/kvprof.h.
 EVENT_DTYPE = np.dtype(
@@ -108,16 +109,14 @@ def filemap_defines() -> list[str]:
     """The syscall layer's page-cache probe, where this kernel has the tracepoint (sized by
     the folio order where its tracepoint gives one, else a page an event); without it,
     none, and a read's device bytes are the block reads its thread issued during the call."""
-    from kvprof.system import TRACEFS_CANDIDATES
-
-    for root in TRACEFS_CANDIDATES:
-        try:
-            text = (root / FILEMAP_FORMAT).read_text()
-        except OSError:
-            continue
-        return ["-DKVPROF_FILEMAP",
-                *(["-DKVPROF_FILEMAP_ORDER"] if " order;" in text else [])]
-    return []
+    root = tracefs()
+    try:
+        text = (root / FILEMAP_FORMAT).read_text() if root else ""
+    except OSError:
+        text = ""
+    if not text:
+        return []
+    return ["-DKVPROF_FILEMAP", *(["-DKVPROF_FILEMAP_ORDER"] if " order;" in text else [])]
 
 
 def build_program(layers: tuple[str, ...], filters: CaptureFilter,
