@@ -309,7 +309,9 @@ def test_replay_in_tmux_shows_the_panels_and_q_exits_cleanly(tmp_path):
            f"echo $? > {rc}; exec sleep 60")
     _tmux("new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd)
     try:
-        screen = _screen_until(name, lambda s: "73.0 %" in s)
+        # Textual repaints panel by panel and tmux may capture between them: wait for a
+        # whole frame (no panel still waiting), then judge what it shows.
+        screen = _screen_until(name, lambda s: "73.0 %" in s and "waiting for data" not in s)
         for phase in ("prefill", "decode", "mixed", "idle"):
             assert f"╭─ {phase} " in screen
         assert "time 73.0 % 3.0s" in screen and "p50/99 13us 62us" in screen

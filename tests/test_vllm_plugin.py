@@ -264,3 +264,15 @@ def test_a_receiver_starved_past_the_send_timeout_loses_nothing(tmp_path):
     _wait_received(server, 200)
     assert (server.take()["phase"].num_rows, m.lost, server.counts()["marks_undelivered"]) \
         == (200, 0, 0)
+
+
+def test_the_clock_pair_skips_a_read_the_process_was_preempted_in(monkeypatch):
+    """The batch's wall-clock arrival goes onto the monotonic clock through a pair of reads
+    taken together: a try preempted between its reads (here 5 ms) is not the one used."""
+    from kvprof.phases import vllm_plugin
+
+    mono = iter([1_000_000, 6_000_000, 7_000_000, 7_004_000])  # ns: try 1 spans 5 ms
+    wall = iter([50_000_000_000, 50_006_000_000])
+    monkeypatch.setattr(vllm_plugin.time, "monotonic_ns", lambda: next(mono))
+    monkeypatch.setattr(vllm_plugin.time, "time_ns", lambda: next(wall))
+    assert vllm_plugin.clock_pair() == (7_002_000, 50_006_000_000)

@@ -70,6 +70,25 @@ except Exception:  # noqa: BLE001 - absent, or present but failing to import: ru
             pass
 
 
+def clock_pair(tries: int = 4) -> tuple[int, int]:
+    """CLOCK_MONOTONIC and the wall clock at one instant, in ns. vLLM stamps a batch's arrival
+    with the wall clock; the window needs it on the monotonic one. Read apart, the two can lie
+    milliseconds apart when the process is preempted between them, and a step's own KV store
+    ends only 3-12 ms before its batch reaches the API server (the real vLLM with LMCache
+    here): such an error puts the store after its window. So the wall clock is read between
+    two monotonic reads and the tightest of a few tries is kept."""
+    best = (1 << 62, 0, 0)
+    for _ in range(tries):
+        m0 = time.monotonic_ns()
+        wall = time.time_ns()
+        m1 = time.monotonic_ns()
+        if m1 - m0 < best[0]:
+            best = (m1 - m0, (m0 + m1) // 2, wall)
+        if m1 - m0 < 20_000:  # no preemption between the reads
+            break
+    return best[1], best[2]
+
+
 def _count(obj: Any, name: str) -> int | None:
     """A non-negative integer attribute, or None when it is missing or not a count."""
     v = getattr(obj, name, None)
@@ -178,9 +197,10 @@ class KvprofStatLogger(StatLoggerBase):
         """When the batch reached the API server, on the monotonic clock."""
         arrived = getattr(iteration_stats, "iteration_timestamp", None)
         if isinstance(arrived, float):
-            lag = time.time() - arrived
-            if 0 <= lag <= self.max_lag_s:
-                return now - int(lag * 1e9)
+            mono, wall = clock_pair()
+            lag = wall - int(arrived * 1e9)
+            if 0 <= lag <= self.max_lag_s * 1e9:
+                return mono - lag
         return now
 
     @staticmethod
