@@ -11,12 +11,15 @@ below A. A gate on a figure one of the sessions lacks fails, saying so.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from typing import Any
 from dataclasses import dataclass
 
 from kvprof import schema
 from kvprof.correlate import MAIN_OPS, phase_layer
 from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.units import human_bytes, human_us
+from kvprof.summary import PhaseStats, Summary
 
 
 @dataclass(frozen=True)
@@ -27,7 +30,7 @@ class Figure:
     higher_is_better: bool | None  # None: neither way is better (a time share, idle)
 
 
-def figures(summary: dict) -> dict[str, tuple[Figure, float | None]]:
+def figures(summary: Summary) -> dict[str, tuple[Figure, float | None]]:
     """Every figure a comparison shows, by name, with its value (None: not measured)."""
     out: dict[str, tuple[Figure, float | None]] = {}
 
@@ -92,11 +95,11 @@ def _change(a: float | None, b: float | None) -> float | None:
     return 100.0 * (b - a) / abs(a)
 
 
-def compare(a: dict, b: dict, gates: list[Gate] = ()) -> dict:
+def compare(a: Summary, b: Summary, gates: Sequence[Gate] = ()) -> dict:
     """The comparison as a dict (the --json output): every figure either session has, with
     its change, and each gate's verdict."""
     fa, fb = figures(a), figures(b)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in list(dict.fromkeys([*fa, *fb])):
         fig = (fa.get(name) or fb[name])[0]
         va = fa[name][1] if name in fa else None
@@ -125,7 +128,7 @@ def compare(a: dict, b: dict, gates: list[Gate] = ()) -> dict:
             "passed": all(v["passed"] for v in verdicts)}
 
 
-def _who(s: dict) -> dict:
+def _who(s: Summary) -> dict:
     return {k: s["session"][k] for k in ("id", "host", "duration_s", "devices")}
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import pyarrow as pa
@@ -26,8 +27,32 @@ from kvprof.intervals import busy_between
 from kvprof.rollup import GRID_NS
 from kvprof.rowsource import IslandsOf, Pieces, RowSource, ViewFilter
 from kvprof.store import SessionInfo
+from kvprof.summary import (
+    DEVICE_LAYERS,
+    LAYERS,
+    MAIN_OPS,
+    MainOp,
+    Capacity,
+    CacheOp,
+    CacheStats,
+    DeviceLayer,
+    Count,
+    DeviceIdle,
+    Engine,
+    Exact,
+    OpCapacity,
+    OpStats,
+    PhaseEngine,
+    PhaseStats,
+    Quantiles,
+    Sampling,
+    Summary,
+    Writeback,
+)
 
-MAIN_OPS = ("read", "write")
+# The report's names are schema's (kvprof/summary.py spells them out for a type checker).
+assert tuple(Quantiles.__annotations__) == tuple(n for n, _ in schema.QUANTILES)
+assert (DEVICE_LAYERS, LAYERS) == (schema.DEVICE_LAYERS, schema.LAYERS)
 NS = 1_000_000_000
 # A phase must fill this share of a rate bin for that bin to count: bytes over 10 ms of
 # phase time would read as an absurd rate.
@@ -72,38 +97,55 @@ def idle_pct(busy_s: float, time_s: float) -> float | None:
     return max(0.0, 100.0 * (1 - busy_s / time_s)) if time_s > 0 else None
 
 
-def _op_entry(bytes_: int, ios: int, time_s: float) -> dict:
+def _op_entry(bytes_: int, ios: int, time_s: float) -> OpStats:
     return {
         "bytes": int(bytes_),
         "ios": int(ios),
         "bandwidth_bytes_per_s": per_second(bytes_, time_s),
         "iops": per_second(ios, time_s),
-        "latency_us": {k: None for k, _ in schema.QUANTILES},
-        "queue_us": {k: None for k, _ in schema.QUANTILES},
-        "device_us": {k: None for k, _ in schema.QUANTILES},
+        "latency_us": _no_quantiles(),
+        "queue_us": _no_quantiles(),
+        "device_us": _no_quantiles(),
         "size_hist": {},
         "latency_hist_us": {},
     }
 
 
-def device_layer(block_ios: int, io_uring_ios: int) -> str:
+def _no_quantiles() -> Quantiles:
+    return {"p50": None, "p90": None, "p99": None, "p999": None}
+
+
+def _quantiles(values) -> Quantiles:
+    """schema.QUANTILES' values in order, as the report's quantiles."""
+    p50, p90, p99, p999 = (None if v is None else float(v) for v in values)
+    return {"p50": p50, "p90": p90, "p99": p99, "p999": p999}
+
+
+def device_layer(block_ios: int, io_uring_ios: int) -> DeviceLayer:
     """The layer whose numbers describe the device: block, which sees each byte once, unless
     only io_uring saw I/O (io_uring rows repeat block ones wherever both are traced)."""
     return "block" if block_ios or not io_uring_ios else "io_uring"
 
 
-def phase_layer(ph: dict) -> str:
+def phase_layer(ph: PhaseStats) -> DeviceLayer:
     """`device_layer` of one phase of the report, by its reads and writes."""
     return device_layer(*(sum(ph[layer][op]["ios"] for op in MAIN_OPS)
-                          for layer in schema.DEVICE_LAYERS))
+                          for layer in DEVICE_LAYERS))
 
 
 def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
               view: ViewFilter = ViewFilter(), info: SessionInfo | None = None,
-              windows: pa.Table | None = None, mixed: str = "apart") -> dict:
-    """The report as a dict; its shape is documented in the README and kept stable.
-    `info`, `windows`: the session row and phase windows when the caller has just read them.
-    `mixed`: "apart" (mixed windows are their own phase) or "split" (`split_mixed`)."""
+              windows: pa.Table | None = None, mixed: str = "apart") -> Summary:
+    """The report (kvprof/summary.py's `Summary`); its shape is documented in the README and
+    kept stable. `info`, `windows`: the session row and phase windows when the caller has
+    just read them. `mixed`: "apart" (mixed windows are their own phase) or "split"
+    (`split_mixed`).
+
+    Each section is built by one function from the row source's answers and the sections
+    it rests on, passed in: layer figures from the events, or from the aggregate tier where
+    the events are missing or sampled; idle from the events' in-flight islands, or the
+    aggregate tier's; capacity from the final layer figures; then caches, writeback and
+    engine figures."""
     info = info or rows.info()
     t0 = info.start_ns if t0 is None else t0
     t1 = info.end_ns if t1 is None else t1
@@ -113,61 +155,65 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
     ws, we, wp = flatten(windows, t0, t1)
     durations = (we - ws).astype(np.float64)
     total_s = max(t1 - t0, 0) / 1e9
-
-    phases: dict[str, dict] = {}
-    for p in schema.PHASES:
-        sel = wp == p
-        time_s = float(durations[sel].sum()) / 1e9
-        phases[p] = {
-            "time_s": time_s,
-            "time_share_pct": 100.0 * time_s / total_s if total_s > 0 else 0.0,
-            "windows": int(sel.sum()),
-            **{layer: {op: _op_entry(0, 0, time_s) for op in MAIN_OPS}
-               for layer in schema.LAYERS},
-        }
+    times = {p: float(durations[wp == p].sum()) / 1e9 for p in schema.PHASES}
 
     # The whole session also counts rows issued outside its bounds.
     whole = t0 == info.start_ns and t1 == info.end_ns
     pieces = Pieces(ws, we, wp, t0, t1, info.start_ns, whole)
     got = rows.per_phase(pieces, view)
-    for p, layer, op, ios, nbytes, lat, queue, dev, sizes, lats in got.stats:
-        entry = phases[p][layer].setdefault(op, _op_entry(0, 0, phases[p]["time_s"]))
-        entry.update(_op_entry(nbytes or 0, ios, phases[p]["time_s"]))
-        for key, vals in (("latency_us", lat), ("queue_us", queue), ("device_us", dev)):
-            entry[key] = {k: float(v) for (k, _), v in zip(schema.QUANTILES, vals)}
-        # (None: a group with no sized request, e.g. only flushes)
-        for key, hist in (("size_hist", sizes), ("latency_hist_us", lats)):
-            entry[key] = {str(int(b)): int(n) for b, n in sorted(dict(hist or {}).items())}
-
-    _idle(phases, ws, we, wp, [d["name"] for d in info.devices] or got.devices,
-          got.islands_of)
+    ops = _layer_ops(got.stats, times)
+    idle = _idle(ws, we, wp, [d["name"] for d in info.devices] or got.devices, got.islands_of)
     # The per-cache query only where the view has file syscalls at all (most sessions and
     # views have none, and the dashboard asks every frame).
     files = any(layer == "syscall" and op in MAIN_OPS for _, layer, op, *_ in got.stats)
-    _caches(phases, rows.per_cache(pieces, view) if files else [])
-    unattributed = _writeback(phases, rows.writeback(pieces, view) if files else [])
-    for p in schema.PHASES:
-        phases[p]["gds"]["probes"] = {}
+    caches, hits = _caches(rows.per_cache(pieces, view) if files else [], times)
+    writeback, unattributed = _writeback(rows.writeback(pieces, view) if files else [])
+    probes: dict[str, dict[str, int]] = {p: {} for p in schema.PHASES}
     if any(layer == "gds" for _, layer, *_ in got.stats):
         for p, probe, n in rows.gds_calls(pieces, view):
-            phases[p]["gds"]["probes"][probe] = int(n)
+            probes[p][probe] = int(n)
     lost = {k: int(v) for k, v in info.lost.items()}
-    exact = _exact(rows, phases, pieces, view, info)
-    events = info.config.get("device_events", True)
+    exact = _exact(rows, times, pieces, view, info)
+    events = bool(info.config.get("device_events", True))
     shifts = rows.sampling(t0, t1) if events else []
-    sampling = None
+    sampling: Sampling | None = None
     weighted = {}
     if any(shifts):
         # One rate over the span: the kept rows are a uniform sample, their percentiles
         # unbiased. Several: each row weighs what it stands for (1/16-octave buckets).
-        sampling = {"max_one_in": 1 << max(shifts), "uniform": len(set(shifts)) == 1}
-        sampling["percentiles"] = "sample" if sampling["uniform"] else "weighted sample"
-        if not sampling["uniform"]:
+        uniform = len(set(shifts)) == 1
+        sampling = {"max_one_in": 1 << max(shifts), "uniform": uniform,
+                    "percentiles": "sample" if uniform else "weighted sample"}
+        if not uniform:
             weighted = rows.weighted_quantiles(pieces, view)
     if (not events or sampling) and exact is not None:
-        _from_exact(phases, exact, sampling, weighted)
-    _capacity(phases, info.devices)
-    engine = _engine(phases, rows, t0, t1, total_s, mixed)
+        ops = _ops_from_exact(ops, exact, times, sampling, weighted)
+        idle = _idle_from_exact(idle, exact)
+    capacity = _capacity(ops, times, info.devices)
+    phase_engine = _phase_engine(rows.phase_tokens(t0, t1), times, mixed)
+    phases: dict[str, PhaseStats] = {}
+    for p in schema.PHASES:
+        cap = capacity[p]
+        block_idle, devices = idle[p]
+        if cap is not None and len(devices) == 1:
+            devices = {d: {**v, "capacity_idle_pct": cap[1]} for d, v in devices.items()}
+        phases[p] = {
+            "time_s": times[p],
+            "time_share_pct": 100.0 * times[p] / total_s if total_s > 0 else 0.0,
+            "windows": int((wp == p).sum()),
+            "block": {**ops[p]["block"], "time_idle_pct": block_idle,  # type: ignore[typeddict-item]
+                      "devices": devices,
+                      "capacity_idle_pct": None if cap is None else cap[1],
+                      "capacity": None if cap is None else cap[0]},
+            "io_uring": ops[p]["io_uring"],  # type: ignore[typeddict-item]
+            "syscall": {**ops[p]["syscall"],  # type: ignore[typeddict-item]
+                        "page_cache_hit_pct": hits[p]},
+            "tcp": ops[p]["tcp"],  # type: ignore[typeddict-item]
+            "gds": {**ops[p]["gds"], "probes": probes[p]},  # type: ignore[typeddict-item]
+            "caches": caches[p],
+            "writeback": writeback[p],
+            "engine": phase_engine[p],
+        }
     return {
         "session": {
             "id": info.session_id,
@@ -194,14 +240,40 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             # --event-rate): 1 in up to max_one_in requests kept; their counts, rates and
             # idle are then the exact section's, percentiles the sample's when `uniform`.
             "event_sampling": sampling,
-            "processes": rows.processes(),
+            "processes": rows.processes(),  # type: ignore[typeddict-item]
             # "split": mixed windows with token counts cut into prefill and decode.
             "mixed": mixed,
         },
         "phases": phases,
-        "engine": engine,
+        "engine": _engine(rows.engine_counters(t0, t1), total_s),
         "exact": exact,
     }
+
+
+# phase -> layer -> op -> figures: the layers' operations before the layer's own figures join
+LayerOpsByPhase = dict[str, dict[str, dict[str, OpStats]]]
+
+
+def _layer_ops(stats: list[tuple], times: dict[str, float]) -> LayerOpsByPhase:
+    """Per phase and layer, each operation's figures from the event tier (read and write
+    always, other operations where seen)."""
+    out: LayerOpsByPhase = {
+        p: {layer: {op: _op_entry(0, 0, times[p]) for op in MAIN_OPS}
+            for layer in schema.LAYERS} for p in schema.PHASES}
+    for p, layer, op, ios, nbytes, lat, queue, dev, sizes, lats in stats:
+        entry = _op_entry(nbytes or 0, ios, times[p])
+        entry["latency_us"] = _quantiles(lat)
+        entry["queue_us"] = _quantiles(queue)
+        entry["device_us"] = _quantiles(dev)
+        # (None: a group with no sized request, e.g. only flushes)
+        entry["size_hist"] = _bucket_dict(sizes)
+        entry["latency_hist_us"] = _bucket_dict(lats)
+        out[p][layer][op] = entry
+    return out
+
+
+def _bucket_dict(hist) -> dict[str, int]:
+    return {str(int(b)): int(n) for b, n in sorted(dict(hist or {}).items())}
 
 
 def _slot_bounds(slot: int) -> tuple[int, int]:
@@ -227,8 +299,8 @@ def _hist_quantiles(hist: np.ndarray, scale: float) -> dict[str, float | None]:
     return out
 
 
-def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
-           info: SessionInfo) -> dict | None:
+def _exact(rows: RowSource, times: dict[str, float], pieces: Pieces, view: ViewFilter,
+           info: SessionInfo) -> Exact | None:
     """The aggregate tier's figures (every block and io_uring request, counted in the kernel
     whatever the event tier kept) per phase, by the window holding each request's issue
     time as known per 4 ms issue slot (fold.py), over whole seconds; `boundary` says how
@@ -242,7 +314,7 @@ def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
         return None
     agg, busy = got
     out: dict = {"phases": {p: {**{layer: {} for layer in schema.DEVICE_LAYERS}, "devices": {}}
-                            for p in schema.PHASES}, "totals": {}}
+                            for p in schema.PHASES}, "totals": {}}  # an Exact, being built
     sums: dict[tuple[str, str, str], list] = {}
     edge: dict[str, int] | None = None
     for p, layer, op, ios, nbytes, queue_ns, service_ns, size, queue, service, cut in agg:
@@ -256,7 +328,7 @@ def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
             acc[i] = acc[i] + np.asarray(h, np.int64)
     for (p, layer, op), (ios, nbytes, queue_ns, service_ns, size, queue, service) in \
             sorted(sums.items()):
-        t = phases[p]["time_s"]
+        t = times[p]
         out["phases"][p][layer][op] = {
             "ios": ios, "bytes": nbytes,
             "bandwidth_bytes_per_s": per_second(nbytes, t),
@@ -272,7 +344,7 @@ def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
         tot["ios"] += ios
         tot["bytes"] += nbytes
     for p, dev, ns in busy:
-        t = phases[p]["time_s"]
+        t = times[p]
         out["phases"][p]["devices"][dev] = {
             "busy_s": int(ns) / 1e9,
             "time_idle_pct": idle_pct(int(ns) / 1e9, t)}
@@ -280,7 +352,7 @@ def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
         out["phase_rule"] = ("phase kvprof had been told by marks when the request was "
                              "issued; whole seconds")
         out["boundary"] = None
-        return out
+        return cast(Exact, out)
     out["phase_rule"] = ("the window holding the request's issue time, per 4 ms issue slot; "
                          "whole seconds")
     # Requests in slots a window edge cut between their first and last issue, by the phase
@@ -288,69 +360,86 @@ def _exact(rows: RowSource, phases: dict, pieces: Pieces, view: ViewFilter,
     out["boundary"] = {"slot_ns": int(info.config.get("aggregate_slot_ns") or SLOT_NS),
                        "settle_s": info.config.get("settle_s"),
                        "ios": sum(edge.values()), "by_phase": edge}
-    return out
+    return cast(Exact, out)
 
 
-def _from_exact(phases: dict, exact: dict, sampling: dict | None = None,
-                weighted: dict | None = None) -> None:
+def _ops_from_exact(ops: LayerOpsByPhase, exact: Exact, times: dict[str, float],
+                    sampling: Sampling | None, weighted: dict) -> LayerOpsByPhase:
     """A span whose device-layer events are missing (--no-events) or sampled: the device
-    layers' per-phase counts, rates, sizes and idle from the aggregate tier. Percentiles are
+    layers' per-phase counts, rates and sizes from the aggregate tier. Percentiles are
     the sample's (`weighted`: estimated with each row's weight where the rate changed), null
     without events (the kernel kept log2 histograms, not the values); size histograms have
     the events' buckets (powers of two)."""
     keep = sampling is not None and sampling["uniform"]
-    keys = ("latency_us", "queue_us", "device_us")
+    out = {p: dict(layers) for p, layers in ops.items()}
     for p in schema.PHASES:
         for layer in schema.DEVICE_LAYERS:
-            for op, e in exact["phases"][p][layer].items():
-                entry = phases[p][layer].setdefault(op, _op_entry(0, 0, phases[p]["time_s"]))
-                kept = {k: entry[k] for k in keys}
-                entry.update(_op_entry(e["bytes"], e["ios"], phases[p]["time_s"]))
-                if keep:
-                    entry.update(kept)
+            by_op = out[p][layer] = dict(out[p][layer])
+            for op, e in exact["phases"][p][layer].items():  # type: ignore[literal-required]
+                entry = _op_entry(e["bytes"], e["ios"], times[p])
+                if keep and op in by_op:
+                    for k in ("latency_us", "queue_us", "device_us"):
+                        entry[k] = by_op[op][k]  # type: ignore[literal-required]
                 elif weighted and (p, layer, op) in weighted:
-                    for k, vals in zip(keys, weighted[(p, layer, op)]):
-                        entry[k] = {name: v for (name, _), v in zip(schema.QUANTILES, vals)}
+                    lat, queue, dev = weighted[(p, layer, op)]
+                    entry["latency_us"] = _quantiles(lat)
+                    entry["queue_us"] = _quantiles(queue)
+                    entry["device_us"] = _quantiles(dev)
                 entry["size_hist"] = {k: n for k, n in e["size_hist"].items() if k != "0"}
                 # The log2 slot the 99th percentile of service time falls in: below this.
                 entry["p99_below_us"] = e["service_us_below"]["p99"]
-        devs = exact["phases"][p]["devices"]
-        block = phases[p]["block"]
-        for dev, d in devs.items():
-            block["devices"].setdefault(dev, {})["time_idle_pct"] = d["time_idle_pct"]
-        # All devices together: the union of their busy time, known only for one device.
-        if len(block["devices"]) == 1:
-            block["time_idle_pct"] = next(iter(block["devices"].values()))["time_idle_pct"]
-        elif len(block["devices"]) > 1:
-            block["time_idle_pct"] = None
+                by_op[op] = entry
+    return out
 
 
-def _capacity(phases: dict, devices: list[dict]) -> None:
-    """Per phase, the share of the devices' calibrated capability (`kvprof calibrate`) the
-    phase left unused: `block.capacity_idle_pct`, beside time idle. Per op, what the phase
-    achieved is set against the two patterns that bound it, large sequential transfers
-    (bandwidth) and 4 KiB random ones at QD32 (IOPS); the nearer limit counts. Reads and
-    writes share the device, so their shares add up. Several devices: against the sum of
-    their capabilities, and only when every traced device was calibrated."""
-    cals = [d.get("calibration") for d in devices]
+# phase -> (time idle % on all traced devices together, per device)
+IdleByPhase = dict[str, tuple[float | None, dict[str, DeviceIdle]]]
+
+
+def _idle_from_exact(idle: IdleByPhase, exact: Exact) -> IdleByPhase:
+    """Idle from the aggregate tier's busy time, per device; all devices together (the
+    union of their busy time) is known only for one device."""
+    out: IdleByPhase = {}
     for p in schema.PHASES:
-        phases[p]["block"]["capacity_idle_pct"] = None
-        phases[p]["block"]["capacity"] = None
-    if not cals or not all(cals):
-        return
+        overall, devices = idle[p]
+        devices = {d: dict(v) for d, v in devices.items()}  # type: ignore[misc]
+        for dev, d in exact["phases"][p]["devices"].items():
+            devices.setdefault(dev, {"time_idle_pct": None})["time_idle_pct"] = \
+                d["time_idle_pct"]
+        if len(devices) == 1:
+            overall = next(iter(devices.values()))["time_idle_pct"]
+        elif len(devices) > 1:
+            overall = None
+        out[p] = (overall, devices)
+    return out
+
+
+def _capacity(ops: LayerOpsByPhase, times: dict[str, float], devices: list[dict]
+              ) -> dict[str, tuple[Capacity, float] | None]:
+    """Per phase, the share of the devices' calibrated capability (`kvprof calibrate`) the
+    phase left unused (`block.capacity_idle_pct`, beside time idle) and how it was reached
+    (`block.capacity`). Per op, what the phase achieved is set against the two patterns
+    that bound it, large sequential transfers (bandwidth) and 4 KiB random ones at QD32
+    (IOPS); the nearer limit counts. Reads and writes share the device, so their shares add
+    up. Several devices: against the sum of their capabilities, and only when every traced
+    device was calibrated. None where there is no figure."""
+    cals = [d["calibration"] for d in devices if d.get("calibration")]
+    out: dict[str, tuple[Capacity, float] | None] = {p: None for p in schema.PHASES}
+    if not cals or len(cals) < len(devices):
+        return out
 
     def capability(pattern: str, measure: str) -> float | None:
         got = [c["patterns"].get(pattern, {}).get(measure) for c in cals]
         return float(sum(got)) if all(got) else None
 
     for p in schema.PHASES:
-        ph = phases[p]
-        if ph["time_s"] <= 0:
+        if times[p] <= 0:
             continue
-        layer = phase_layer(ph)
-        by_op = {}
+        layer = device_layer(*(sum(ops[p][lay][op]["ios"] for op in MAIN_OPS)
+                               for lay in schema.DEVICE_LAYERS))
+        by_op: dict[str, OpCapacity] = {}
         for op in MAIN_OPS:
-            e = ph[layer][op]
+            e = ops[p][layer][op]
             bw_pattern, iops_pattern = calibrate.LIMITS[op]
             limits = [(e["bandwidth_bytes_per_s"], bw_pattern, "bandwidth_bytes_per_s"),
                       (e["iops"], iops_pattern, "iops")]
@@ -358,50 +447,54 @@ def _capacity(phases: dict, devices: list[dict]) -> None:
             for achieved, pattern, measure in limits:
                 cap = capability(pattern, measure)
                 if cap is None:
-                    return  # an older or partial calibration: no figure rather than a guess
+                    # an older or partial calibration: no figure rather than a guess
+                    return {q: None for q in schema.PHASES}
                 shares.append((achieved / cap, achieved, cap, pattern, measure))
             share, achieved, cap, pattern, measure = max(shares)
             by_op[op] = {"pattern": pattern, "measure": measure, "achieved": achieved,
                          "capability": cap, "used_pct": 100.0 * share}
         used = sum(o["used_pct"] for o in by_op.values())
-        ph["block"]["capacity"] = {"used_pct": used, "by_op": by_op, "layer": layer}
-        ph["block"]["capacity_idle_pct"] = max(0.0, 100.0 - used)
-        if len(ph["block"]["devices"]) == 1:
-            dev = next(iter(ph["block"]["devices"].values()))
-            dev["capacity_idle_pct"] = ph["block"]["capacity_idle_pct"]
+        out[p] = ({"used_pct": used, "by_op": by_op, "layer": layer}, max(0.0, 100.0 - used))
+    return out
 
 
-def _engine(phases: dict, rows: RowSource, t0: int, t1: int, total_s: float,
-            mixed: str) -> dict:
-    """The engines' serving figures over [t0, t1), where their sources give them (None
-    otherwise): mean TTFT and inter-token latency, prefix-cache hit share, tokens and the
-    throughput they make; and per phase, the tokens its windows counted and their rate."""
+def _engine(counters: list[tuple[str, str, float]], total_s: float) -> Engine:
+    """The engines' serving figures over the span from how far their counters moved
+    (`RowSource.engine_counters`), where their sources give them (None otherwise): mean TTFT
+    and inter-token latency, prefix-cache hit share, tokens and the throughput they make."""
     moved: dict[str, float] = {}
-    for name, _labels, delta in rows.engine_counters(t0, t1):
+    for name, _labels, delta in counters:
         moved[name] = moved.get(name, 0.0) + delta
-    out: dict = {}
+    means: dict[str, float | None] = {}
     for figure, pairs in schema.ENGINE_MEANS.items():
-        out[figure] = None
+        means[figure] = None
         for num, den in pairs:
             if moved.get(den):
-                out[figure] = moved.get(num, 0.0) / moved[den]
+                means[figure] = moved.get(num, 0.0) / moved[den]
                 break
-    share = out.pop("prefix_cache_hit_share")
-    out["prefix_cache_hit_pct"] = None if share is None else 100.0 * share
+    tokens: dict[str, float | None] = {}
     for figure, names in schema.ENGINE_TOKENS.items():
         got = [moved[n] for n in names if n in moved]
-        out[figure] = sum(got) if got else None
-    gen = out["generation_tokens"]
-    out["throughput_tokens_per_s"] = gen / total_s if gen is not None and total_s > 0 else None
-    for p in schema.PHASES:
-        phases[p]["engine"] = {"prefill_tokens": None, "decode_tokens": None,
-                               "tokens_per_s": None}
-    # Several sources count the same tokens (marks and an engine's metrics): per phase, the
-    # most exact source that counted any.
-    # With --mixed split, a mixed window's prefill tokens go to prefill, its decode tokens
-    # to decode, as its time does.
+        tokens[figure] = sum(got) if got else None
+    share, gen = means["prefix_cache_hit_share"], tokens["generation_tokens"]
+    return {"ttft_s": means["ttft_s"], "itl_s": means["itl_s"],
+            "prefix_cache_hit_pct": None if share is None else 100.0 * share,
+            "prompt_tokens": tokens["prompt_tokens"], "generation_tokens": gen,
+            "throughput_tokens_per_s": gen / total_s if gen is not None and total_s > 0
+            else None}
+
+
+def _phase_engine(tokens: list[tuple[str, str, float, float]], times: dict[str, float],
+                  mixed: str) -> dict[str, PhaseEngine]:
+    """Per phase, the tokens its windows counted (`RowSource.phase_tokens`) and their rate.
+    Several sources count the same tokens (marks and an engine's metrics): per phase, the
+    most exact source that counted any. With --mixed split, a mixed window's prefill tokens
+    go to prefill, its decode tokens to decode, as its time does."""
+    out: dict[str, PhaseEngine] = {
+        p: {"prefill_tokens": None, "decode_tokens": None, "tokens_per_s": None}
+        for p in schema.PHASES}
     counted: dict[tuple[str, str], list[float]] = {}
-    for p, source, prefill, decode in rows.phase_tokens(t0, t1):
+    for p, source, prefill, decode in tokens:
         parts = ([("prefill", prefill, 0), ("decode", 0, decode)]
                  if mixed == "split" and p == "mixed" else [(p, prefill, decode)])
         for q, pre, dec in parts:
@@ -411,67 +504,74 @@ def _engine(phases: dict, rows: RowSource, t0: int, t1: int, total_s: float,
     best: dict[str, tuple[int, float, float]] = {}
     for (p, source), (prefill, decode) in counted.items():
         rank = schema.SOURCE_RANK.get(source, 0)
-        if p in phases and (prefill or decode) and rank >= best.get(p, (-1,))[0]:
+        if p in out and (prefill or decode) and rank >= best.get(p, (-1,))[0]:
             best[p] = (rank, prefill, decode)
     for p, (_, prefill, decode) in best.items():
-        t = phases[p]["time_s"]
-        phases[p]["engine"] = {"prefill_tokens": prefill, "decode_tokens": decode,
-                               "tokens_per_s": (prefill + decode) / t if t > 0 else None}
+        t = times[p]
+        out[p] = {"prefill_tokens": prefill, "decode_tokens": decode,
+                  "tokens_per_s": (prefill + decode) / t if t > 0 else None}
     return out
 
 
-def _caches(phases: dict, rows: list[tuple]) -> None:
+def _caches(rows: list[tuple], times: dict[str, float]
+            ) -> tuple[dict[str, dict[str, CacheStats]], dict[str, float | None]]:
     """Per phase and KV cache (kvprof/caches.py), the syscall layer's reads and writes, and
     for buffered reads the share the page cache served: app bytes the calls returned beside
-    the device bytes the calling threads read meanwhile."""
-    for p in schema.PHASES:
-        phases[p]["caches"] = {}
+    the device bytes the calling threads read meanwhile. Also per phase, that share over
+    every cache (the syscall layer's `page_cache_hit_pct`)."""
+    caches: dict[str, dict[str, CacheStats]] = {p: {} for p in schema.PHASES}
+    buffered_dev: dict[tuple[str, str], int] = {}  # (phase, cache) -> buffered reads' device
     for p, cache, op, direct, ios, nbytes, dev in rows:
-        c = phases[p]["caches"].setdefault(cache, {
-            o: {"ios": 0, "bytes": 0, "bandwidth_bytes_per_s": 0.0, "direct_bytes": 0}
-            for o in MAIN_OPS})
-        e = c[op]
+        c = caches[p].get(cache)
+        if c is None:
+            c = caches[p][cache] = {"read": _cache_op(), "write": _cache_op()}
+        e = c[cast(MainOp, op)]
         e["ios"] += int(ios)
         e["bytes"] += int(nbytes)
         e["direct_bytes"] += int(nbytes) if direct else 0
-        t = phases[p]["time_s"]
-        e["bandwidth_bytes_per_s"] = per_second(e["bytes"], t)
+        e["bandwidth_bytes_per_s"] = per_second(e["bytes"], times[p])
         if op == "read":
             e["device_bytes"] = e.get("device_bytes", 0) + int(dev)
             if not direct:
-                e["buffered_device_bytes"] = e.get("buffered_device_bytes", 0) + int(dev)
+                buffered_dev[(p, cache)] = buffered_dev.get((p, cache), 0) + int(dev)
+    hits: dict[str, float | None] = {}
     for p in schema.PHASES:
         app = dev = 0  # buffered reads of every cache
-        for c in phases[p]["caches"].values():
+        for cache, c in caches[p].items():
             rd = c["read"]
             buffered = rd["bytes"] - rd["direct_bytes"]
             rd.setdefault("device_bytes", 0)
-            rd["page_cache_hit_pct"] = _hit_pct(buffered, rd.get("buffered_device_bytes", 0))
+            rd["page_cache_hit_pct"] = _hit_pct(buffered, buffered_dev.get((p, cache), 0))
             app += buffered
-            dev += rd.pop("buffered_device_bytes", 0)
-        phases[p]["syscall"]["page_cache_hit_pct"] = _hit_pct(app, dev)
+            dev += buffered_dev.get((p, cache), 0)
+        hits[p] = _hit_pct(app, dev)
+    return caches, hits
 
 
-def _writeback(phases: dict, rows: list[tuple]) -> dict:
+def _cache_op() -> CacheOp:
+    return {"ios": 0, "bytes": 0, "bandwidth_bytes_per_s": 0.0, "direct_bytes": 0}
+
+
+def _writeback(rows: list[tuple]) -> tuple[dict[str, Writeback], Count]:
     """Flush-thread writes of the buffered files, under the phase (and cache) whose writes
-    dirtied them: phases.<p>.writeback, with `elsewhere_bytes` the part issued while another
-    phase ran (where the block layer files it); what no traced write explains is returned."""
-    for p in schema.PHASES:
-        phases[p]["writeback"] = {"ios": 0, "bytes": 0, "elsewhere_bytes": 0, "caches": {}}
-    lost = {"ios": 0, "bytes": 0}
+    dirtied them (phases.<p>.writeback), with `elsewhere_bytes` the part issued while
+    another phase ran (where the block layer files it); and what no traced write explains."""
+    out: dict[str, Writeback] = {
+        p: {"ios": 0, "bytes": 0, "elsewhere_bytes": 0, "caches": {}} for p in schema.PHASES}
+    lost: Count = {"ios": 0, "bytes": 0}
     for p, cache, ios, nbytes, elsewhere in rows:
         if p is None:
             lost["ios"] += int(ios)
             lost["bytes"] += int(nbytes)
             continue
-        wb = phases[p]["writeback"]
+        wb = out[p]
         wb["ios"] += int(ios)
         wb["bytes"] += int(nbytes)
         wb["elsewhere_bytes"] += int(elsewhere or 0)
         c = wb["caches"].setdefault(cache, {"ios": 0, "bytes": 0})
         c["ios"] += int(ios)
         c["bytes"] += int(nbytes)
-    return lost
+    return out, lost
 
 
 def _hit_pct(app_bytes: int, device_bytes: int) -> float | None:
@@ -479,10 +579,10 @@ def _hit_pct(app_bytes: int, device_bytes: int) -> float | None:
     return 100.0 * max(0.0, 1 - device_bytes / app_bytes) if app_bytes > 0 else None
 
 
-def _idle(phases: dict, ws, we, wp, devices: list[str], islands_of: IslandsOf) -> None:
-    """Per phase, the share of its time with no block request in flight: per device and on
-    all traced devices together. In flight = from insert (or issue, when the request skipped
-    the queue) to completion, the span the kernel's io_ticks also covers."""
+def _idle(ws, we, wp, devices: list[str], islands_of: IslandsOf) -> IdleByPhase:
+    """Per phase, the share of its time with no block request in flight: on all traced
+    devices together and per device. In flight = from insert (or issue, when the request
+    skipped the queue) to completion, the span the kernel's io_ticks also covers."""
     def idle_of(device: str | None) -> dict[str, float | None]:
         isl_s, isl_e = islands_of(device)
         busy = busy_between(isl_s, isl_e, ws, we)
@@ -494,9 +594,8 @@ def _idle(phases: dict, ws, we, wp, devices: list[str], islands_of: IslandsOf) -
 
     overall = idle_of(None)
     per_dev = {d: idle_of(d) for d in devices}
-    for p in schema.PHASES:
-        phases[p]["block"]["time_idle_pct"] = overall[p]
-        phases[p]["block"]["devices"] = {d: {"time_idle_pct": per_dev[d][p]} for d in devices}
+    return {p: (overall[p], {d: {"time_idle_pct": per_dev[d][p]} for d in devices})
+            for p in schema.PHASES}
 
 
 # -- the dashboard's frame: the report of a window, and the same rows over time ----------------
@@ -507,7 +606,7 @@ class Frame:
     info: SessionInfo
     t0: int
     t1: int
-    summary: dict  # the report of exactly [t0, t1) and the view
+    summary: Summary  # the report of exactly [t0, t1) and the view
     # phase -> {"layer": the device layer, "read"/"write": (now, mean, peak) bytes/s}
     rates: dict[str, dict]
     bin_ns: int
@@ -610,7 +709,7 @@ def _phase_time(ws, we, wp, edges: np.ndarray) -> dict[str, np.ndarray]:
             for p in schema.PHASES}
 
 
-def _rates(p: str, ph: dict, cell_bytes: dict, ptime: np.ndarray) -> dict:
+def _rates(p: str, ph: PhaseStats, cell_bytes: dict, ptime: np.ndarray) -> dict:
     """Bytes/s of the phase's device layer: in its latest second, over the window (the
     report's bandwidth), and its best second."""
     layer = phase_layer(ph)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from kvprof import schema
 from kvprof.correlate import MAIN_OPS, phase_layer
 from kvprof.units import human_bytes, human_us, size_label
+from kvprof.summary import OpStats, PhaseStats, Summary
 
 # Requests at least this large count as bulk transfers, below SMALL_BYTES as point lookups.
 LARGE_BYTES = 128 << 10
@@ -59,7 +60,7 @@ class Finding:
                 "figures": self.figures}
 
 
-def _main_op(ph: dict) -> tuple[str, str, dict] | None:
+def _main_op(ph: PhaseStats) -> tuple[str, str, OpStats] | None:
     """(layer, op, entry) carrying most bytes in the phase's device layer (ties: read)."""
     layer = phase_layer(ph)
     ops = [(op, ph[layer][op]) for op in MAIN_OPS if ph[layer][op]["ios"]]
@@ -69,7 +70,7 @@ def _main_op(ph: dict) -> tuple[str, str, dict] | None:
     return layer, op, e
 
 
-def _phase(phase: str, ph: dict) -> Finding | None:
+def _phase(phase: str, ph: PhaseStats) -> Finding | None:
     """What limits one phase, or None when the phase took no time."""
     if ph["time_s"] <= 0:
         return None
@@ -121,28 +122,28 @@ def _phase(phase: str, ph: dict) -> Finding | None:
                                       f"{p99_txt}{idle_txt}{cap_txt}", figures)
 
 
-def phase_finding(phase: str, ph: dict) -> str | None:
+def phase_finding(phase: str, ph: PhaseStats) -> str | None:
     """One sentence about this phase, or None when the phase took no time."""
     f = _phase(phase, ph)
     return None if f is None else f.text
 
 
-def _busy(ph: dict) -> tuple[float, str, str] | None:
+def _busy(ph: PhaseStats) -> tuple[float, str, str, float] | None:
     """How much of the device the phase uses, in %: of its calibrated capacity where known,
-    else of its time; with the report path it comes from and its word."""
+    else of its time; with the report path it comes from, its word and the report's
+    figure there."""
     block = ph["block"]
-    if block.get("capacity_idle_pct") is not None:
-        return 100 - block["capacity_idle_pct"], "capacity_idle_pct", "capacity"
-    if block.get("time_idle_pct") is not None:
-        return 100 - block["time_idle_pct"], "time_idle_pct", "time"
+    if (cap := block["capacity_idle_pct"]) is not None:
+        return 100 - cap, "capacity_idle_pct", "capacity", cap
+    if (idle := block["time_idle_pct"]) is not None:
+        return 100 - idle, "time_idle_pct", "time", idle
     return None
 
 
-def _sized_for_one_phase(summary: dict) -> list[Finding]:
+def _sized_for_one_phase(summary: Summary) -> list[Finding]:
     phases = summary["phases"]
     work = [p for p in ("prefill", "decode", "mixed") if phases[p]["time_s"] > 0]
-    used = {p: _busy(phases[p]) for p in work}
-    used = {p: u for p, u in used.items() if u is not None}
+    used = {p: u for p in work if (u := _busy(phases[p])) is not None}
     if len(used) < 2:
         return []
     peak = max(used, key=lambda p: used[p][0])
@@ -163,13 +164,13 @@ def _sized_for_one_phase(summary: dict) -> list[Finding]:
         text = (f"storage is sized for {peak}'s peak: {peak} {uses}, while {other} "
                 f"({share:.0f} % of the session) {leaves}")
         out.append(Finding("sized-for-one-phase", other, text, {
-            f"phases.{peak}.block.{peak_key}": phases[peak]["block"][peak_key],
-            f"phases.{other}.block.{key}": phases[other]["block"][key],
+            f"phases.{peak}.block.{peak_key}": used[peak][3],
+            f"phases.{other}.block.{key}": used[other][3],
             f"phases.{other}.time_share_pct": share}))
     return out
 
 
-def _time_split(summary: dict) -> list[Finding]:
+def _time_split(summary: Summary) -> list[Finding]:
     phases = summary["phases"]
     pre, dec = phases["prefill"]["time_share_pct"], phases["decode"]["time_share_pct"]
     figures = {"phases.prefill.time_share_pct": pre, "phases.decode.time_share_pct": dec}
@@ -186,7 +187,7 @@ def _time_split(summary: dict) -> list[Finding]:
     return []
 
 
-def _small_writes(summary: dict) -> list[Finding]:
+def _small_writes(summary: Summary) -> list[Finding]:
     """Block writes below the physical block size of a device whose logical block is smaller
     (a "512e" drive): each makes the device read, patch and rewrite a whole physical block."""
     limits = summary["session"].get("device_limits") or {}
@@ -216,7 +217,7 @@ def _small_writes(summary: dict) -> list[Finding]:
     return out
 
 
-def _prefix_cache(summary: dict) -> list[Finding]:
+def _prefix_cache(summary: Summary) -> list[Finding]:
     hit = (summary.get("engine") or {}).get("prefix_cache_hit_pct")
     dec = summary["phases"]["decode"]
     if hit is None or hit >= 100 or dec["time_s"] <= 0:
@@ -234,7 +235,7 @@ def _prefix_cache(summary: dict) -> list[Finding]:
                                        f"phases.decode.{layer}.read.bytes": read})]
 
 
-def _writeback(summary: dict) -> list[Finding]:
+def _writeback(summary: Summary) -> list[Finding]:
     out = []
     for p in schema.PHASES:
         wb = summary["phases"][p].get("writeback") or {}
@@ -250,7 +251,7 @@ def _writeback(summary: dict) -> list[Finding]:
     return out
 
 
-def findings(summary: dict) -> list[Finding]:
+def findings(summary: Summary) -> list[Finding]:
     """Every finding: per phase in schema.PHASES order (those that took time), then the
     rules across phases."""
     out = [f for p in schema.PHASES if (f := _phase(p, summary["phases"][p])) is not None]

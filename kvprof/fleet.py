@@ -8,6 +8,8 @@ totals are, by construction, the sum of its sessions' reports.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 from pathlib import Path
 
 import duckdb
@@ -18,8 +20,9 @@ from kvprof.errors import EX_NOINPUT, KvprofError
 from kvprof.rowsource import SqlRows
 from kvprof.store import load_parquet, unreadable
 from kvprof.units import human_bytes
+from kvprof.summary import DEVICE_LAYERS, PhaseStats, Summary
 
-LAYERS = schema.DEVICE_LAYERS + ("syscall",)
+LAYERS: tuple[Literal["block", "io_uring", "syscall"], ...] = (*DEVICE_LAYERS, "syscall")
 
 
 def sessions(root: Path) -> list[tuple[str, str, str]]:
@@ -48,7 +51,7 @@ def _empty() -> dict:
         layer: {op: {"ios": 0, "bytes": 0} for op in MAIN_OPS} for layer in LAYERS}}
 
 
-def _add(acc: dict, ph: dict) -> None:
+def _add(acc: dict, ph: PhaseStats) -> None:
     acc["time_s"] += ph["time_s"]
     idle = ph["block"]["time_idle_pct"]
     if idle is not None:

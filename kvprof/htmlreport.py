@@ -8,6 +8,8 @@ Numbers come from correlate (the summary and its timeline); nothing is computed 
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import html
 from datetime import datetime, timezone
 
@@ -19,6 +21,7 @@ from kvprof import schema
 from kvprof.correlate import MAIN_OPS, device_layer, phase_layer
 from kvprof.findings import findings
 from kvprof.units import engine_parts, human_bytes, human_us, size_label
+from kvprof.summary import PhaseStats, Summary
 
 COLOURS = {"prefill": "#e5a50a", "decode": "#3584e4", "mixed": "#9141ac", "idle": "#77767b"}
 OP_DASH = {"read": None, "write": "/"}
@@ -73,7 +76,7 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f} %"
 
 
-def _header(page: _Page, summary: dict, name: str) -> None:
+def _header(page: _Page, summary: Summary, name: str) -> None:
     s = summary["session"]
     start = datetime.fromtimestamp(s["start_wall_ns"] / 1e9, timezone.utc)
     page.add(f"<h1>kvprof report {html.escape(name)}</h1><p class=\"meta\">"
@@ -84,7 +87,7 @@ def _header(page: _Page, summary: dict, name: str) -> None:
              "</p>")
 
 
-def _phase_table(page: _Page, summary: dict) -> None:
+def _phase_table(page: _Page, summary: Summary) -> None:
     rows = []
     for p in schema.PHASES:
         ph = summary["phases"][p]
@@ -107,7 +110,7 @@ def _phase_table(page: _Page, summary: dict) -> None:
         page.add(f"<p>engine (means over the session): {html.escape(', '.join(engine))}</p>")
 
 
-def _findings(page: _Page, summary: dict) -> None:
+def _findings(page: _Page, summary: Summary) -> None:
     items = "".join(f"<li>{html.escape(f.text)}</li>" for f in findings(summary))
     page.add(f"<h2>Findings</h2><ul>{items}</ul>")
 
@@ -155,7 +158,7 @@ def _timeline_figure(timeline: dict, title: str) -> go.Figure:
     return fig
 
 
-def _totals_figure(summary: dict) -> go.Figure:
+def _totals_figure(summary: Summary) -> go.Figure:
     """Per phase, bytes and requests of each op in its device layer: the report's totals."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=["bytes", "requests"])
     phases = [p for p in schema.PHASES if summary["phases"][p]["time_s"] > 0]
@@ -170,7 +173,7 @@ def _totals_figure(summary: dict) -> go.Figure:
     return fig
 
 
-def _idle_figure(summary: dict) -> go.Figure:
+def _idle_figure(summary: Summary) -> go.Figure:
     phases = [p for p in schema.PHASES if summary["phases"][p]["time_s"] > 0]
     fig = go.Figure()
     fig.add_bar(x=phases, y=[summary["phases"][p]["block"]["time_idle_pct"] for p in phases],
@@ -182,7 +185,8 @@ def _idle_figure(summary: dict) -> go.Figure:
     return fig
 
 
-def _hist_figure(summary: dict, key: str, title: str, label) -> go.Figure:
+def _hist_figure(summary: Summary, key: Literal["size_hist", "latency_hist_us"], title: str,
+                 label) -> go.Figure:
     """One log2 histogram per phase and op of the device layer (the report's buckets)."""
     fig = go.Figure()
     buckets: set[int] = set()
@@ -204,7 +208,7 @@ def _hist_figure(summary: dict, key: str, title: str, label) -> go.Figure:
     return fig
 
 
-def report_html(summary: dict, timeline: dict, name: str) -> str:
+def report_html(summary: Summary, timeline: dict, name: str) -> str:
     page = _Page(f"kvprof report {name}")
     _header(page, summary, name)
     _phase_table(page, summary)

@@ -1,6 +1,8 @@
 """`kvprof report`: the summary from correlate, as text for people or JSON for scripts."""
 from __future__ import annotations
 
+from typing import Literal
+
 import json
 import textwrap
 from datetime import datetime, timezone
@@ -8,11 +10,12 @@ from datetime import datetime, timezone
 from kvprof import schema
 from kvprof.findings import findings
 from kvprof.units import engine_parts, human_bytes, human_us, size_label
+from kvprof.summary import DEVICE_LAYERS, LAYERS, Engine, Exact, OpCapacity, PhaseStats, Summary
 
 WIDTH = 80
 
 
-def to_json(summary: dict) -> str:
+def to_json(summary: Summary) -> str:
     """The summary, with the findings and the figures each rests on."""
     return json.dumps({**summary, "findings": [f.as_dict() for f in findings(summary)]},
                       indent=2, sort_keys=False)
@@ -29,7 +32,7 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f} %"
 
 
-def to_text(summary: dict, name: str = "") -> str:
+def to_text(summary: Summary, name: str = "") -> str:
     s = summary["session"]
     start = datetime.fromtimestamp(s["start_wall_ns"] / 1e9, timezone.utc).strftime(
         "%Y-%m-%d %H:%M:%S UTC")
@@ -54,7 +57,7 @@ def to_text(summary: dict, name: str = "") -> str:
               f"{'p50':>7}{'p90':>7}{'p99':>7}{'p99.9':>7}")
     for p in schema.PHASES:
         ph = phases[p]
-        rows = [(layer, op, e) for layer in schema.LAYERS
+        rows = [(layer, op, e) for layer in LAYERS
                 for op, e in ph[layer].items() if isinstance(e, dict) and e.get("ios")]
         if not rows:
             continue
@@ -147,7 +150,7 @@ def _wrap(text: str, first: str, then: str) -> list[str]:
         break_on_hyphens=False)]
 
 
-def _engine_lines(engine: dict | None) -> list[str]:
+def _engine_lines(engine: Engine | None) -> list[str]:
     """The engines' own figures, those their sources gave."""
     parts = engine_parts(engine)
     if not parts:
@@ -157,12 +160,12 @@ def _engine_lines(engine: dict | None) -> list[str]:
                         + ", ".join(x.replace(" ", "\0") for x in parts), "", "  ")
 
 
-def _achieved(o: dict, key: str = "achieved") -> str:
+def _achieved(o: OpCapacity, key: Literal["achieved", "capability"] = "achieved") -> str:
     v = o[key]
     return f"{human_bytes(v)}/s" if o["measure"] == "bandwidth_bytes_per_s" else f"{v:,.0f} IOPS"
 
 
-def _exact_lines(exact: dict | None) -> list[str]:
+def _exact_lines(exact: Exact | None) -> list[str]:
     """The aggregate tier: every device-layer request, counted in the kernel."""
     if not exact or not exact["totals"]:
         return []
@@ -174,7 +177,7 @@ def _exact_lines(exact: dict | None) -> list[str]:
              f"{'IOPS':>8}{'mean':>8}{'p99<':>8}"]
     for p in schema.PHASES:
         ph = exact["phases"][p]
-        for layer in schema.DEVICE_LAYERS:
+        for layer in DEVICE_LAYERS:
             for op, e in ph[layer].items():
                 if not e["ios"]:
                     continue

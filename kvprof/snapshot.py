@@ -20,6 +20,8 @@ from kvprof.findings import findings
 from kvprof.rowsource import Interrupted, RowSource, ViewFilter, for_feed
 from kvprof.store import Reader
 from kvprof.units import engine_parts
+from kvprof.summary import PhaseStats as PhaseReport
+from kvprof.summary import DeviceLayer, Summary
 
 NS = 1_000_000_000
 WINDOWS_S: tuple[float | None, ...] = (10.0, 60.0, None)  # None: the whole session
@@ -106,7 +108,7 @@ class Snapshot:
     process_choices: tuple[tuple[int, str], ...]
     build_s: float
     # The report dict for exactly [t0_ns, t1_ns) and the filters, for tests and export.
-    summary: dict = field(compare=False, repr=False)
+    summary: Summary = field(compare=False, repr=False)
 
     @property
     def session_s(self) -> float:
@@ -128,8 +130,8 @@ def _merge_hists(*hs: dict) -> dict:
     return out
 
 
-def _phase_stats(p: str, ph: dict, rates: dict) -> PhaseStats:
-    layer = rates["layer"]
+def _phase_stats(p: str, ph: PhaseReport, rates: dict) -> PhaseStats:
+    layer: DeviceLayer = rates["layer"]
     rd, wr = ph[layer]["read"], ph[layer]["write"]
     # Latency quantiles of the busier op: one number pair per panel, the one that matters.
     main = rd if rd["ios"] >= wr["ios"] else wr
@@ -198,7 +200,7 @@ class Clock:
     def _advance(self) -> None:
         now = self._mono()
         if self.playing:
-            if self.live:
+            if self.end_ns is None:  # live
                 self._pos = now
             else:
                 self._pos += int((now - self._since) * self.speed)
@@ -215,14 +217,14 @@ class Clock:
         with self._lock:
             self._advance()
             self.playing = not self.playing
-            if self.playing and not self.live and self._pos >= self.end_ns:
+            if self.playing and self.end_ns is not None and self._pos >= self.end_ns:
                 self._pos = self.start_ns  # play again from the start
             return self.playing
 
     def seek(self, delta_ns: int) -> None:
         with self._lock:
             self._advance()
-            hi = self._mono() if self.live else self.end_ns
+            hi = self._mono() if self.end_ns is None else self.end_ns
             self._pos = min(max(self.start_ns, self._pos + delta_ns), hi)
             if self.live:
                 self.playing = False  # scrubbing back in live means looking at the past

@@ -1,6 +1,8 @@
 """Human-readable numbers shared by every view (report, findings, TUI)."""
 from __future__ import annotations
 
+from kvprof.summary import Engine
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -29,15 +31,15 @@ def size_label(b: int) -> str:
     return f"{b}B"
 
 
-def engine_parts(engine: dict | None) -> list[str]:
+def engine_parts(engine: Engine | None) -> list[str]:
     """The engines' figures a summary has (`engine`), each as a short phrase."""
     if not engine:
         return []
     parts = []
-    if engine.get("ttft_s") is not None:
-        parts.append(f"TTFT {human_us(engine['ttft_s'] * 1e6)}")
-    if engine.get("itl_s") is not None:
-        parts.append(f"inter-token {human_us(engine['itl_s'] * 1e6)}")
+    if (ttft := engine.get("ttft_s")) is not None:
+        parts.append(f"TTFT {human_us(ttft * 1e6)}")
+    if (itl := engine.get("itl_s")) is not None:
+        parts.append(f"inter-token {human_us(itl * 1e6)}")
     if engine.get("prefix_cache_hit_pct") is not None:
         parts.append(f"prefix-cache hit {engine['prefix_cache_hit_pct']:.1f} %")
     if engine.get("throughput_tokens_per_s") is not None:

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from kvprof import system
+from kvprof.summary import Report
+from tests.report_shape import check as check_shape
 
 KVPROF = [sys.executable, "-m", "kvprof"]
 
@@ -236,7 +238,10 @@ class Recorder:
     def report(self) -> dict:
         r = run_kvprof("report", str(self.out), "--json")
         assert r.returncode == 0, r.stderr
-        return json.loads(r.stdout)
+        report = json.loads(r.stdout)
+        # Every real session's report has exactly the shape kvprof/summary.py declares.
+        check_shape(report, Report)
+        return report
 
 
 def thread_privileges(pid: int) -> dict[str, dict[str, int]]:
