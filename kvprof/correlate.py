@@ -25,7 +25,15 @@ from kvprof import calibrate, schema
 from kvprof.fold import SLOT_NS, flatten
 from kvprof.intervals import busy_between
 from kvprof.rollup import GRID_NS
-from kvprof.rowsource import IslandsOf, Pieces, RowSource, ViewFilter
+from kvprof.rowsource import (
+    CacheRow,
+    IslandsOf,
+    Pieces,
+    RowSource,
+    StatRow,
+    ViewFilter,
+    WritebackRow,
+)
 from kvprof.store import SessionInfo
 from kvprof.summary import (
     DEVICE_LAYERS,
@@ -165,11 +173,11 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
     idle = _idle(ws, we, wp, [d["name"] for d in info.devices] or got.devices, got.islands_of)
     # The per-cache query only where the view has file syscalls at all (most sessions and
     # views have none, and the dashboard asks every frame).
-    files = any(layer == "syscall" and op in MAIN_OPS for _, layer, op, *_ in got.stats)
+    files = any(r.layer == "syscall" and r.op in MAIN_OPS for r in got.stats)
     caches, hits = _caches(rows.per_cache(pieces, view) if files else [], times)
     writeback, unattributed = _writeback(rows.writeback(pieces, view) if files else [])
     probes: dict[str, dict[str, int]] = {p: {} for p in schema.PHASES}
-    if any(layer == "gds" for _, layer, *_ in got.stats):
+    if any(r.layer == "gds" for r in got.stats):
         for p, probe, n in rows.gds_calls(pieces, view):
             probes[p][probe] = int(n)
     lost = {k: int(v) for k, v in info.lost.items()}
@@ -254,21 +262,20 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
 LayerOpsByPhase = dict[str, dict[str, dict[str, OpStats]]]
 
 
-def _layer_ops(stats: list[tuple], times: dict[str, float]) -> LayerOpsByPhase:
+def _layer_ops(stats: list[StatRow], times: dict[str, float]) -> LayerOpsByPhase:
     """Per phase and layer, each operation's figures from the event tier (read and write
     always, other operations where seen)."""
     out: LayerOpsByPhase = {
         p: {layer: {op: _op_entry(0, 0, times[p]) for op in MAIN_OPS}
             for layer in schema.LAYERS} for p in schema.PHASES}
-    for p, layer, op, ios, nbytes, lat, queue, dev, sizes, lats in stats:
-        entry = _op_entry(nbytes or 0, ios, times[p])
-        entry["latency_us"] = _quantiles(lat)
-        entry["queue_us"] = _quantiles(queue)
-        entry["device_us"] = _quantiles(dev)
-        # (None: a group with no sized request, e.g. only flushes)
-        entry["size_hist"] = _bucket_dict(sizes)
-        entry["latency_hist_us"] = _bucket_dict(lats)
-        out[p][layer][op] = entry
+    for r in stats:
+        entry = _op_entry(r.bytes or 0, r.ios, times[r.phase])
+        entry["latency_us"] = _quantiles(r.latency_us)
+        entry["queue_us"] = _quantiles(r.queue_us)
+        entry["device_us"] = _quantiles(r.device_us)
+        entry["size_hist"] = _bucket_dict(r.size_hist)
+        entry["latency_hist_us"] = _bucket_dict(r.latency_hist)
+        out[r.phase][r.layer][r.op] = entry
     return out
 
 
@@ -317,14 +324,14 @@ def _exact(rows: RowSource, times: dict[str, float], pieces: Pieces, view: ViewF
                             for p in schema.PHASES}, "totals": {}}  # an Exact, being built
     sums: dict[tuple[str, str, str], list] = {}
     edge: dict[str, int] | None = None
-    for p, layer, op, ios, nbytes, queue_ns, service_ns, size, queue, service, cut in agg:
-        if cut is not None:
+    for a in agg:
+        if a.cut is not None:
             edge = edge or {q: 0 for q in schema.PHASES}
-            edge[p] += int(ios) if cut else 0
-        acc = sums.setdefault((p, layer, op), [0, 0, 0, 0, 0, 0, 0])
-        for i, v in enumerate((ios, nbytes, queue_ns, service_ns)):
+            edge[a.phase] += int(a.ios) if a.cut else 0
+        acc = sums.setdefault((a.phase, a.layer, a.op), [0, 0, 0, 0, 0, 0, 0])
+        for i, v in enumerate((a.ios, a.bytes, a.queue_ns, a.service_ns)):
             acc[i] += int(v)
-        for i, h in enumerate((size, queue, service), start=4):
+        for i, h in enumerate((a.size_hist, a.queue_hist, a.service_hist), start=4):
             acc[i] = acc[i] + np.asarray(h, np.int64)
     for (p, layer, op), (ios, nbytes, queue_ns, service_ns, size, queue, service) in \
             sorted(sums.items()):
@@ -343,11 +350,10 @@ def _exact(rows: RowSource, times: dict[str, float], pieces: Pieces, view: ViewF
         tot = out["totals"].setdefault(layer, {}).setdefault(op, {"ios": 0, "bytes": 0})
         tot["ios"] += ios
         tot["bytes"] += nbytes
-    for p, dev, ns in busy:
-        t = times[p]
-        out["phases"][p]["devices"][dev] = {
-            "busy_s": int(ns) / 1e9,
-            "time_idle_pct": idle_pct(int(ns) / 1e9, t)}
+    for b in busy:
+        out["phases"][b.phase]["devices"][b.device] = {
+            "busy_s": int(b.busy_ns) / 1e9,
+            "time_idle_pct": idle_pct(int(b.busy_ns) / 1e9, times[b.phase])}
     if edge is None:  # recorded before schema 15
         out["phase_rule"] = ("phase kvprof had been told by marks when the request was "
                              "issued; whole seconds")
@@ -513,7 +519,7 @@ def _phase_engine(tokens: list[tuple[str, str, float, float]], times: dict[str, 
     return out
 
 
-def _caches(rows: list[tuple], times: dict[str, float]
+def _caches(rows: list[CacheRow], times: dict[str, float]
             ) -> tuple[dict[str, dict[str, CacheStats]], dict[str, float | None]]:
     """Per phase and KV cache (kvprof/caches.py), the syscall layer's reads and writes, and
     for buffered reads the share the page cache served: app bytes the calls returned beside
@@ -521,19 +527,20 @@ def _caches(rows: list[tuple], times: dict[str, float]
     every cache (the syscall layer's `page_cache_hit_pct`)."""
     caches: dict[str, dict[str, CacheStats]] = {p: {} for p in schema.PHASES}
     buffered_dev: dict[tuple[str, str], int] = {}  # (phase, cache) -> buffered reads' device
-    for p, cache, op, direct, ios, nbytes, dev in rows:
+    for r in rows:
+        p, cache = r.phase, r.cache
         c = caches[p].get(cache)
         if c is None:
             c = caches[p][cache] = {"read": _cache_op(), "write": _cache_op()}
-        e = c[cast(MainOp, op)]
-        e["ios"] += int(ios)
-        e["bytes"] += int(nbytes)
-        e["direct_bytes"] += int(nbytes) if direct else 0
+        e = c[cast(MainOp, r.op)]
+        e["ios"] += int(r.ios)
+        e["bytes"] += int(r.bytes)
+        e["direct_bytes"] += int(r.bytes) if r.direct else 0
         e["bandwidth_bytes_per_s"] = per_second(e["bytes"], times[p])
-        if op == "read":
-            e["device_bytes"] = e.get("device_bytes", 0) + int(dev)
-            if not direct:
-                buffered_dev[(p, cache)] = buffered_dev.get((p, cache), 0) + int(dev)
+        if r.op == "read":
+            e["device_bytes"] = e.get("device_bytes", 0) + int(r.device_bytes)
+            if not r.direct:
+                buffered_dev[(p, cache)] = buffered_dev.get((p, cache), 0) + int(r.device_bytes)
     hits: dict[str, float | None] = {}
     for p in schema.PHASES:
         app = dev = 0  # buffered reads of every cache
@@ -552,25 +559,25 @@ def _cache_op() -> CacheOp:
     return {"ios": 0, "bytes": 0, "bandwidth_bytes_per_s": 0.0, "direct_bytes": 0}
 
 
-def _writeback(rows: list[tuple]) -> tuple[dict[str, Writeback], Count]:
+def _writeback(rows: list[WritebackRow]) -> tuple[dict[str, Writeback], Count]:
     """Flush-thread writes of the buffered files, under the phase (and cache) whose writes
     dirtied them (phases.<p>.writeback), with `elsewhere_bytes` the part issued while
     another phase ran (where the block layer files it); and what no traced write explains."""
     out: dict[str, Writeback] = {
         p: {"ios": 0, "bytes": 0, "elsewhere_bytes": 0, "caches": {}} for p in schema.PHASES}
     lost: Count = {"ios": 0, "bytes": 0}
-    for p, cache, ios, nbytes, elsewhere in rows:
-        if p is None:
-            lost["ios"] += int(ios)
-            lost["bytes"] += int(nbytes)
+    for r in rows:
+        if r.phase is None or r.cache is None:
+            lost["ios"] += int(r.ios)
+            lost["bytes"] += int(r.bytes)
             continue
-        wb = out[p]
-        wb["ios"] += int(ios)
-        wb["bytes"] += int(nbytes)
-        wb["elsewhere_bytes"] += int(elsewhere or 0)
-        c = wb["caches"].setdefault(cache, {"ios": 0, "bytes": 0})
-        c["ios"] += int(ios)
-        c["bytes"] += int(nbytes)
+        wb = out[r.phase]
+        wb["ios"] += int(r.ios)
+        wb["bytes"] += int(r.bytes)
+        wb["elsewhere_bytes"] += int(r.elsewhere_bytes or 0)
+        c = wb["caches"].setdefault(r.cache, {"ios": 0, "bytes": 0})
+        c["ios"] += int(r.ios)
+        c["bytes"] += int(r.bytes)
     return out, lost
 
 
@@ -738,8 +745,8 @@ def gpu_means(rows: RowSource, t0: int, t1: int) -> tuple[dict | None, str]:
     row = rows.gpu(t0, t1)
     if row is None:
         return None, "no GPU data: this session was recorded before NVML support"
-    if not row[1]:
-        return None, ("no GPU samples in this window" if row[-1] else
+    if not row.samples:
+        return None, ("no GPU samples in this window" if row.session_samples else
                       "no GPU data: no NVML samples (no GPU, or not recorded with --phases nvml)")
-    return {"gpus": int(row[0]), "samples": int(row[1]),
-            **dict(zip(GPU_FIELDS, row[2:-1]))}, ""
+    return {"gpus": int(row.gpus), "samples": int(row.samples),
+            **{f: getattr(row, f) for f in GPU_FIELDS}}, ""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import duckdb
 import numpy as np
@@ -68,10 +69,84 @@ class Pieces:
     whole: bool = False
 
 
+# The answers' rows, named: SQL and the row cache return them positionally, and correlate
+# reads them by name.
+class StatRow(NamedTuple):
+    """One (phase, layer, op) of `per_phase`."""
+    phase: str
+    layer: str
+    op: str
+    ios: int
+    bytes: int | None  # None: no sized request (only flushes)
+    latency_us: list[float]  # schema.QUANTILES of total, queue and device time
+    queue_us: list[float]
+    device_us: list[float]
+    size_hist: dict | None  # log2 bucket low bound -> requests
+    latency_hist: dict | None
+
+
+class CacheRow(NamedTuple):
+    """One (phase, cache, op, O_DIRECT) of `per_cache`."""
+    phase: str
+    cache: str
+    op: str
+    direct: bool
+    ios: int
+    bytes: int
+    device_bytes: int  # what the calls had the device read (0 for writes)
+
+
+class WritebackRow(NamedTuple):
+    """One (phase, cache) of `writeback`; phase and cache None for writeback no traced
+    write explains."""
+    phase: str | None
+    cache: str | None
+    ios: int
+    bytes: int
+    elsewhere_bytes: int | None
+
+
+class AggRow(NamedTuple):
+    """One aggregate-tier second of one (phase, layer, op, device) of `aggregate`."""
+    phase: str
+    layer: str
+    op: str
+    ios: int
+    bytes: int
+    queue_ns: int
+    service_ns: int
+    size_hist: list[int]  # log2 slots (schema.IO_AGG)
+    queue_hist: list[int]
+    service_hist: list[int]
+    cut: bool | None  # its issue slot cut by a window edge; None before schema 15
+
+
+class BusyRow(NamedTuple):
+    phase: str
+    device: str
+    busy_ns: int
+
+
+class GpuMeans(NamedTuple):
+    """`gpu`: means over the samples of a range."""
+    gpus: int
+    samples: int
+    util_pct: float | None
+    mem_util_pct: float | None
+    sm_active_pct: float | None
+    power_w: float | None
+    pcie_rx_bytes_per_s: float | None
+    pcie_tx_bytes_per_s: float | None
+    session_samples: int  # of the whole session
+
+
+def named(row_type: Any, rows: list[tuple]) -> list:
+    return [row_type._make(r) for r in rows]
+
+
 @dataclass(frozen=True)
 class PerPhase:
-    # (phase, layer, op, ios, bytes, total/queue/device quantiles in us, size hist, lat hist)
-    stats: list[tuple]
+    stats: list[StatRow]
     islands_of: IslandsOf  # busy islands of all traced devices (None) or of one
     devices: list[str]     # devices the view's block rows went to
 
@@ -105,7 +180,7 @@ class RowSource:
         one rate. Estimates from 1/WEIGHTED_STEPS-octave buckets (within 2.2 %)."""
         raise NotImplementedError
 
-    def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+    def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[CacheRow]:
         """Syscall reads and writes per (phase, cache, op, O_DIRECT): calls, bytes done, and
         the bytes of the block reads the calling thread issued while in the call (what the
         page cache did not hold; readahead included)."""
@@ -126,7 +201,7 @@ class RowSource:
         """cuFile calls per (phase, probe): DMA (cufio_gds_*) or compat POSIX (cufio_px_*)."""
         raise NotImplementedError
 
-    def writeback(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+    def writeback(self, pieces: Pieces, view: ViewFilter) -> list[WritebackRow]:
         """The bios flush threads wrote back (the writeback table), each with the phase and
         cache of the last buffered syscall write to its inode before it: per (phase, cache)
         bios, bytes and the bytes issued while another phase ran; phase and cache are None
@@ -139,7 +214,7 @@ class RowSource:
         bin edges (the first may lie before the session and before the pieces)."""
         raise NotImplementedError
 
-    def gpu(self, t0: int, t1: int) -> tuple | None:
+    def gpu(self, t0: int, t1: int) -> GpuMeans | None:
         """(GPUs, samples, mean util, mem util, SM active, power, PCIe rx, tx, samples of the
         whole session) over samples in [t0, t1); None when the session has no gpu table."""
         raise NotImplementedError
@@ -149,7 +224,7 @@ class RowSource:
         raise NotImplementedError
 
     def aggregate(self, t0: int, t1: int, whole: bool, device: str | None
-                  ) -> tuple[list[tuple], list[tuple]] | None:
+                  ) -> tuple[list[AggRow], list[BusyRow]] | None:
         """The aggregate tier's seconds in [t0, t1) (all of them for the whole session):
         (phase, layer, op, ios, bytes, queue ns, service ns, size, queue and service log2
         histograms) and per device (phase, device, busy ns); None for a session recorded
@@ -263,7 +338,7 @@ class SqlRows(RowSource):
             return []  # recorded before process roles
 
     def aggregate(self, t0: int, t1: int, whole: bool, device: str | None
-                  ) -> tuple[list[tuple], list[tuple]] | None:
+                  ) -> tuple[list[AggRow], list[BusyRow]] | None:
         conds, params = [], []
         if not whole:
             # Whole seconds: a second belongs to the range its start lies in.
@@ -293,7 +368,7 @@ class SqlRows(RowSource):
                     GROUP BY ALL ORDER BY ALL""", params).fetchall()
             except (duckdb.CatalogException, duckdb.BinderException):
                 continue
-            return agg, busy
+            return named(AggRow, agg), named(BusyRow, busy)
         return None  # recorded before the aggregate tier
 
     def engine_counters(self, t0: int, t1: int) -> list[tuple[str, str, float]]:
@@ -380,7 +455,7 @@ class SqlRows(RowSource):
                    histogram(2 ** floor(log2(greatest(total_ns / 1e3, 1)))::UBIGINT)
             FROM io GROUP BY ALL""", params)
         islands_of, present = self._islands(pieces.t0, pieces.t1, view, pieces.whole)
-        return PerPhase(stats, islands_of, present)
+        return PerPhase(named(StatRow, stats), islands_of, present)
 
     def weighted_quantiles(self, pieces: Pieces, view: ViewFilter
                            ) -> dict[tuple[str, str, str], tuple[list, list, list]]:
@@ -407,7 +482,7 @@ class SqlRows(RowSource):
                 h[b] = h.get(b, 0) + int(w)
         return {k: tuple(_weighted_q(h) for h in hists) for k, hists in acc.items()}
 
-    def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+    def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[CacheRow]:
         if "cache" in missing_columns(self.cur, "io"):
             return []  # recorded before the syscall layer
         cond, params = _in_view(pieces, view)
@@ -417,7 +492,7 @@ class SqlRows(RowSource):
         # call, matched by thread and time (O_DIRECT reads are matched so too).
         fetched = ("NULL::UBIGINT" if "fetched_bytes" in missing_columns(self.cur, "io")
                    else "io.fetched_bytes")
-        return self._joined(pieces, f"""
+        return named(CacheRow, self._joined(pieces, f"""
             WITH s AS (
                 SELECT io.pid, io.issue_ns, io.complete_ns, io.bytes, io.op,
                        {fetched} AS fetched, coalesce(io.cache, 'other') AS cache,
@@ -435,16 +510,16 @@ class SqlRows(RowSource):
                    coalesce(sum(CASE WHEN s.fetched IS NOT NULL AND NOT s.direct
                                      THEN s.fetched ELSE dev.bytes END), 0)::UBIGINT
             FROM s LEFT JOIN dev ON dev.pid = s.pid AND dev.issue_ns = s.issue_ns
-            GROUP BY ALL ORDER BY ALL""", params)
+            GROUP BY ALL ORDER BY ALL""", params))
 
-    def writeback(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+    def writeback(self, pieces: Pieces, view: ViewFilter) -> list[WritebackRow]:
         if "inode" in missing_columns(self.cur, "io"):
             return []  # recorded before writeback attribution
         # The flush threads are nobody's process: only a device view narrows them.
         cond, params = _in_view(pieces, ViewFilter(device=view.device), "ts_ns")
         # "By file and time": the page a flush thread writes was dirtied by some earlier
         # buffered write to the file; the latest one before the writeback names the phase.
-        return self._joined(pieces, f"""
+        return named(WritebackRow, self._joined(pieces, f"""
             WITH w AS (
                 SELECT io.inode, io.issue_ns, coalesce(io.cache, 'other') AS cache,
                        k.w_phase AS phase
@@ -459,7 +534,7 @@ class SqlRows(RowSource):
             SELECT w.phase, w.cache, count(*), sum(wb.bytes)::UBIGINT,
                    coalesce(sum(wb.bytes) FILTER (WHERE wb.landed <> w.phase), 0)::UBIGINT
             FROM wb ASOF LEFT JOIN w ON wb.inode = w.inode AND wb.issue_ns >= w.issue_ns
-            GROUP BY ALL ORDER BY ALL""", params)
+            GROUP BY ALL ORDER BY ALL""", params))
 
     def bins(self, pieces: Pieces, bin_ns: int, nbins: int) -> list[tuple]:
         weight = ("1" if "sample_weight" in missing_columns(self.cur, "io")
@@ -561,16 +636,16 @@ class SqlRows(RowSource):
             LIMIT 10""", [t0, t1]).fetchall())
         return OverTime(cells, seen, bins, int(recent), devices, procs)
 
-    def gpu(self, t0: int, t1: int) -> tuple | None:
+    def gpu(self, t0: int, t1: int) -> GpuMeans | None:
         w = "(WHERE ts_ns >= $1 AND ts_ns < $2)"  # this range's samples
         try:
-            return self.cur.execute(f"""
+            return GpuMeans._make(self.cur.execute(f"""
                 SELECT count(DISTINCT gpu) FILTER {w}, count(*) FILTER {w},
                        avg(gpu_util_pct) FILTER {w}, avg(mem_util_pct) FILTER {w},
                        avg(sm_active_pct) FILTER {w}, avg(power_w) FILTER {w},
                        avg(pcie_rx_bytes_per_s) FILTER {w}, avg(pcie_tx_bytes_per_s) FILTER {w},
                        count(*)
-                FROM gpu""", [int(t0), int(t1)]).fetchall()[0]
+                FROM gpu""", [int(t0), int(t1)]).fetchall()[0])
         except duckdb.CatalogException:
             return None
 
@@ -595,14 +670,14 @@ class LiveRows(RowSource):
     def windows(self, t0: int | None = None, t1: int | None = None) -> pa.Table:
         return self.sql.windows(t0, t1)
 
-    def gpu(self, t0: int, t1: int) -> tuple | None:
+    def gpu(self, t0: int, t1: int) -> GpuMeans | None:
         return self.sql.gpu(t0, t1)
 
     def processes(self) -> list[dict]:
         return self.sql.processes()
 
     def aggregate(self, t0: int, t1: int, whole: bool, device: str | None
-                  ) -> tuple[list[tuple], list[tuple]] | None:
+                  ) -> tuple[list[AggRow], list[BusyRow]] | None:
         return self.sql.aggregate(t0, t1, whole, device)
 
     def sampling(self, t0: int, t1: int) -> list[int]:
@@ -618,11 +693,11 @@ class LiveRows(RowSource):
                            ) -> dict[tuple[str, str, str], tuple[list, list, list]]:
         return self.sql.weighted_quantiles(pieces, view)
 
-    def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+    def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[CacheRow]:
         # The row cache keeps no paths: syscall rows are few beside block rows, SQL it is.
         return self.sql.per_cache(pieces, view)
 
-    def writeback(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
+    def writeback(self, pieces: Pieces, view: ViewFilter) -> list[WritebackRow]:
         return self.sql.writeback(pieces, view)
 
     def gds_calls(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
@@ -649,7 +724,8 @@ class LiveRows(RowSource):
         units = self.live.units(pieces.start, pieces.end, pieces.phase, pieces.origin,
                                 view.device, view.tgid, unbounded=pieces.whole)
         islands_of = self._islands(view)
-        return PerPhase(rollup.stats(units), islands_of, rollup.devices(units, self.cache))
+        return PerPhase(named(StatRow, rollup.stats(units)), islands_of,
+                        rollup.devices(units, self.cache))
 
     def _islands(self, view: ViewFilter) -> IslandsOf:
         """The cache's maintained islands, or for a process filter the process's block rows
