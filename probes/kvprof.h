@@ -1,6 +1,7 @@
 /* Shared by every kvprof probe: the event record, counters, filters.
- * The layout of struct kvprof_io is mirrored by EVENT_DTYPE in kvprof/capture/ebpf.py;
- * capture checks the size at load time. */
+ * User space reads the structs here through numpy dtypes (EVENT_DTYPE and the others in
+ * kvprof/capture/) and the codes by number; capture checks both against this file's
+ * compiled layouts and #defines at load, field by field (kvprof/capture/layout.py). */
 #ifndef KVPROF_H
 #define KVPROF_H
 

@@ -55,7 +55,7 @@ struct open_start {
     u32 pad;
 };
 
-/* Mirrored by OPEN_DTYPE in kvprof/capture/files.py. */
+/* Read by OPEN_DTYPE in kvprof/capture/files.py (checked at load: open_layout). */
 struct kvprof_open {
     u64 ts_ns;
     u64 id;
@@ -75,6 +75,10 @@ BPF_ARRAY(file_ids, u64, 1);
 /* 16 MiB, about 58k open and close records: engines that open a file per chunk access
  * open thousands a second, and the ring is drained every 20 ms. */
 BPF_RINGBUF_OUTPUT(opens, 4096);
+/* Never used by a program. bcc describes a map's key and value types as clang laid them out,
+ * but not a ring's records: this map's value type is how capture compares OPEN_DTYPE with
+ * the compiled struct at load. One entry of 280 bytes, nothing at run time. */
+BPF_ARRAY(open_layout, struct kvprof_open, 1);
 
 /* The kernel's syscall names, by the code in kvprof_io.opcode (schema.SYSCALLS). */
 #define SYS_READ 0

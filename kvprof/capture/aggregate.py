@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from kvprof.capture.layout import Code, Struct
 from kvprof.fold import AGG_ROW, BUSY_ROW, HIST_SLOTS, SLOT_NS
 
 NS_PER_S = 1_000_000_000
@@ -26,7 +27,7 @@ SETTLE_S = 2
 # Entries read per batch syscall.
 CHUNK = 1024
 
-# Mirror struct kvprof_agg_key / _val and kvprof_busy_key / _val.
+# struct kvprof_agg_key / _val and kvprof_busy_key / _val, as numpy reads them (LAYOUTS).
 AGG_KEY = np.dtype([("slot", "<u8"), ("sec", "<u4"), ("dev", "<u4"), ("layer", "u1"),
                     ("op", "u1"), ("pad", "V6")])
 AGG_VAL = np.dtype([("bytes", "<u8"), ("queue_ns", "<u8"),
@@ -36,7 +37,13 @@ AGG_VAL = np.dtype([("bytes", "<u8"), ("queue_ns", "<u8"),
 BUSY_KEY = np.dtype([("slot", "<u8"), ("sec", "<u4"), ("dev", "<u4"), ("run", "<u4"),
                      ("pad", "<u4")])
 BUSY_VAL = np.dtype([("ns", "<u8"), ("first_inv", "<u8"), ("last", "<u8")])
-assert (AGG_KEY.itemsize, AGG_VAL.itemsize, BUSY_KEY.itemsize) == (24, 520, 24)
+# Checked field by field against the maps' types at load (kvprof/capture/layout.py).
+LAYOUTS = (Struct("kvprof_agg_key", AGG_KEY, __name__, "agg", "Key"),
+           Struct("kvprof_agg_val", AGG_VAL, __name__, "agg"),
+           Struct("kvprof_busy_key", BUSY_KEY, __name__, "busy", "Key"),
+           Struct("kvprof_busy_val", BUSY_VAL, __name__, "busy"))
+CODES = (Code("KVPROF_SLOT_NS", SLOT_NS, "kvprof.fold"),
+         Code("KVPROF_AGG_SLOTS", HIST_SLOTS, "kvprof.fold"))
 
 
 def _dump(table, key_dtype: np.dtype, val_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:

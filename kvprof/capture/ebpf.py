@@ -16,11 +16,17 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import caches, schema
+from kvprof import layers as layer_table
+from kvprof.capture.aggregate import CODES as AGG_CODES
+from kvprof.capture.aggregate import LAYOUTS as AGG_LAYOUTS
 from kvprof.capture.aggregate import AggregateReader
 from kvprof.capture.btf import layout_defines
+from kvprof.capture.files import CODES as FILE_CODES
+from kvprof.capture.files import LAYOUTS as FILE_LAYOUTS
 from kvprof.capture.files import OPEN_DTYPE, FileTable, all_tgids
 from kvprof.capture.gds import NAMES as GDS_PROBES
 from kvprof.capture.gds import find_cufile, usdt_contexts
+from kvprof.capture.layout import Code, Struct, check_codes, check_structs, int_defines
 from kvprof.capture.procs import ProcessTable
 from kvprof.capture.ringbuf import RingReader
 from kvprof.devices import Device, by_number
@@ -29,7 +35,7 @@ from kvprof.privileges import SYS_BPF
 from kvprof.sampling import Sampler
 from kvprof.system import tracefs
 
-# Mirrors struct kvprof_io in probes/kvprof.h.
+# struct kvprof_io in probes/kvprof.h, as numpy reads it (checked at load: LAYOUTS).
 EVENT_DTYPE = np.dtype(
     [
         ("insert_ns", "<u8"),
@@ -53,28 +59,32 @@ EVENT_DTYPE = np.dtype(
         ("comm", "S16"),
     ]
 )
-assert EVENT_DTYPE.itemsize == 96
 BATCH = 32  # KVPROF_BATCH
-# Mirrors struct kvprof_batch: what the event ring holds, a batch of records per entry.
+# struct kvprof_batch: what the event ring holds, a batch of records per entry.
 BATCH_DTYPE = np.dtype([("n", "<u4"), ("in_use", "<u4"), ("pad", "<u8"),
                         ("rec", EVENT_DTYPE, (BATCH,))])
 
 HEADER = "kvprof.h"
-PROBE_FILES = {"block": "block.bpf.c", "io_uring": "io_uring.bpf.c",
-               "syscall": "syscall.bpf.c", "tcp": "tcp.bpf.c", "gds": "gds.bpf.c"}
-COUNTER_NAMES = {0: "ringbuf_reserve_failed", 1: "block_unmatched_completion",
-                 2: "block_completion_not_seen", 3: "io_uring_completion_not_seen",
-                 4: "syscall_open_ring_full", 5: "aggregate_map_full",
-                 6: "inflight_table_full"}
+PROBE_FILES = {layer.name: layer.probe for layer in layer_table.LAYERS}
+# The loss counters: their index macro in probes/kvprof.h, its value, the name reported.
+COUNTERS = (("KVPROF_LOST_RINGBUF", 0, "ringbuf_reserve_failed"),
+            ("KVPROF_LOST_BLOCK_UNMATCHED", 1, "block_unmatched_completion"),
+            ("KVPROF_LOST_BLOCK_NOT_SEEN", 2, "block_completion_not_seen"),
+            ("KVPROF_LOST_URING_NOT_SEEN", 3, "io_uring_completion_not_seen"),
+            ("KVPROF_LOST_OPEN_RINGBUF", 4, "syscall_open_ring_full"),
+            ("KVPROF_LOST_AGG_FULL", 5, "aggregate_map_full"),
+            ("KVPROF_LOST_INFLIGHT_FULL", 6, "inflight_table_full"))
+COUNTER_NAMES = {idx: name for _, idx, name in COUNTERS}
 DEVICE_STARTED = 7  # KVPROF_DEVICE_STARTED: not a loss, the sampling's rate offered
 # Requests still in flight at stop, by the layer that held them: never seen completing.
 NOT_SEEN = {"block": "block_completion_not_seen", "io_uring": "io_uring_completion_not_seen",
             "syscall": "syscall_completion_not_seen"}
-LAYER_BLOCK = schema.LAYERS.index(schema.LAYER_BLOCK)
-LAYER_URING = schema.LAYERS.index(schema.LAYER_IO_URING)
-LAYER_SYSCALL = schema.LAYERS.index(schema.LAYER_SYSCALL)
-LAYER_TCP = schema.LAYERS.index(schema.LAYER_TCP)
-LAYER_GDS = schema.LAYERS.index(schema.LAYER_GDS)
+# The `layer` byte of struct kvprof_io (KVPROF_LAYER_*).
+LAYER_BLOCK = layer_table.BLOCK.code
+LAYER_URING = layer_table.IO_URING.code
+LAYER_SYSCALL = layer_table.SYSCALL.code
+LAYER_TCP = layer_table.TCP.code
+LAYER_GDS = layer_table.GDS.code
 LAYER_WRITEBACK = 7  # KVPROF_LAYER_WRITEBACK: writeback bios, not io rows
 OP_READ = schema.OPS.index("read")
 DRAIN_INTERVAL_S = 0.02
@@ -162,6 +172,8 @@ class Capture:
         self.layers = layers
         self.filters = filters
         self.program = build_program(layers, filters, ringbuf_pages, device_events)
+        check_codes(int_defines(self.program.text, self.program.cflags), _codes(layers),
+                    CODE_FAMILIES)
         self._filemap = "-DKVPROF_FILEMAP" in self.program.cflags
         usdt: list = []
         if "gds" in layers:
@@ -178,6 +190,11 @@ class Capture:
                                     cflags=list(self.program.cflags), usdt_contexts=usdt)
         except Exception as e:  # noqa: BLE001 - bcc raises bare Exception on compile/load
             raise KvprofError(f"loading the BPF probes failed: {e}", EX_UNAVAILABLE) from None
+        try:
+            check_structs(self.bpf, _structs(layers))
+        except KvprofError:
+            self.bpf.cleanup()  # bcc attaches the probes as it loads them
+            raise
         self._fill_filters()
         _release_compiler_memory()
         # deque: append (drain thread) and popleft (take) are each atomic, so no batch can
@@ -210,10 +227,10 @@ class Capture:
             opens = self.bpf["opens"]
             self._opens = RingReader(opens.map_fd, int(opens.max_entries), OPEN_DTYPE)
             self.files = FileTable(self._forget, cache_rules)
-            self._seed_files()
+            self._seed_files(self.files)
         self.aggregate: AggregateReader | None = None
         self._agg_final: dict[str, np.ndarray] | None = None
-        if {"block", "io_uring"} & set(layers):
+        if set(schema.DEVICE_LAYERS) & set(layers):
             self.aggregate = AggregateReader(self.bpf)
         # Decided in the drain thread from the kernel's count: a burst is sampled within a
         # quarter second, however late the recorder's flush is.
@@ -245,7 +262,7 @@ class Capture:
             for c in self.filters.cgroup_ids:
                 t[ctypes.c_uint64(c)] = one
 
-    def _seed_files(self) -> None:
+    def _seed_files(self, files: FileTable) -> None:
         """Regular files the traced processes hold open already: into the kernel's map."""
         if self.filters.tgids:
             tgids = list(self.filters.tgids)
@@ -254,7 +271,7 @@ class Capture:
             if self.filters.cgroup_ids:
                 tgids = [t for t in tgids if _cgroup_id(t) in self.filters.cgroup_ids]
         table = self.bpf["file_map"]
-        for fid, tgid, fd, direct in self.files.seed(tgids):
+        for fid, tgid, fd, direct in files.seed(tgids):
             val = table.Leaf()
             val.id, val.flags = fid, FLAG_DIRECT if direct else 0
             table[table.Key(tgid, fd)] = val
@@ -282,7 +299,7 @@ class Capture:
 
     def _drain(self) -> None:
         # Opens first: a file's open record is always submitted before its first I/O.
-        if self._opens is not None:
+        if self._opens is not None and self.files is not None:  # (both: the syscall layer)
             recs = self._opens.drain()
             if len(recs):
                 self.files.opened(recs)
@@ -319,6 +336,11 @@ class Capture:
             self._drain()
             time.sleep(DRAIN_INTERVAL_S)
 
+    @property
+    def stopping(self) -> bool:
+        """Whether stop() has been called: a second call would detach what is gone."""
+        return self._stop.is_set()
+
     def stop(self) -> None:
         """Detach and drain what is left; no event emitted before detaching is lost."""
         self._stop.set()
@@ -354,15 +376,15 @@ class Capture:
         """Requests the probes still hold as in flight, by layer (tcp holds none: each of
         its records is one call's bytes)."""
         held: dict[str, int] = {}
-        if {"block", "io_uring"} & set(self.layers):
+        if set(schema.DEVICE_LAYERS) & set(self.layers):
             keys = np.frombuffer(_map_bytes(self.bpf["inflight_keys"]), "<u8")
             table = self.bpf["inflight"]  # only the slots in use: a few of 65 536
             slots = np.frombuffer(b"".join(bytes(table[table.Key(int(i))])
                                            for i in np.flatnonzero(keys)), INFLIGHT_DTYPE)
             live = slots[slots["flags"] & FLAG_FILTERED == 0]
-            for layer, code in (("block", LAYER_BLOCK), ("io_uring", LAYER_URING)):
-                if layer in self.layers:
-                    held[layer] = int((live["layer"] == code).sum())
+            for device in (x for x in layer_table.LAYERS if x.device):
+                if device.name in self.layers:
+                    held[device.name] = int((live["layer"] == device.code).sum())
         if "syscall" in self.layers:
             held["syscall"] = sum(1 for _ in self.bpf["sys_start_map"].keys())
         return held
@@ -542,14 +564,47 @@ class Capture:
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO], schema=schema.IO)
 
 
-# Mirrors struct kvprof_inflight in probes/kvprof.h.
+# struct kvprof_inflight in probes/kvprof.h, as numpy reads it.
 INFLIGHT_DTYPE = np.dtype([("insert_ns", "<u8"), ("issue_ns", "<u8"), ("cgroup_id", "<u8"),
                            ("dev", "<u4"), ("bytes", "<u4"), ("done", "<u4"), ("pid", "<u4"),
                            ("tgid", "<u4"), ("flags", "<u2"), ("op", "u1"), ("pad1", "u1"),
                            ("opcode", "u1"), ("layer", "u1"), ("sample_shift", "u1"),
                            ("pad0", "V1"), ("dev_idx", "<u2"), ("pad", "V2"),
                            ("comm", "S16")])
-assert INFLIGHT_DTYPE.itemsize == 72
+# Checked field by field at load against the types bcc built from clang's layout of the
+# maps holding them (kvprof/capture/layout.py): kvprof_io as the element of a batch.
+LAYOUTS = (Struct("kvprof_io", EVENT_DTYPE, __name__, "staging", field="rec"),
+           Struct("kvprof_batch", BATCH_DTYPE, __name__, "staging"),
+           Struct("kvprof_inflight", INFLIGHT_DTYPE, __name__, "inflight"))
+# Code families of the C whose every member must be among _codes(): one added to the C
+# alone fails the load too.
+CODE_FAMILIES = {"KVPROF_LAYER_": "probes/kvprof.h", "KVPROF_OP_": "probes/kvprof.h",
+                 "KVPROF_LOST_": "probes/kvprof.h", "SYS_": "probes/syscall.bpf.c"}
+
+
+def _structs(layers: tuple[str, ...]) -> list[Struct]:
+    return [*LAYOUTS, *AGG_LAYOUTS, *(FILE_LAYOUTS if "syscall" in layers else ())]
+
+
+def _codes(layers: tuple[str, ...]) -> list[Code]:
+    """Every number user space shares with the C of these layers, and who sets it here."""
+    sch = schema.__name__
+    # (kvprof/layers.py holds each layer's code = its index in schema.LAYERS)
+    out = [Code(f"KVPROF_LAYER_{layer.name.upper()}", layer.code, layer_table.__name__)
+           for layer in layer_table.LAYERS]
+    out += [Code(f"KVPROF_OP_{name.upper()}", i, sch) for i, name in enumerate(schema.OPS)]
+    out += [Code(f"KVPROF_FL_{f}", getattr(schema, f"FLAG_{f}"), sch)
+            for f in ("SYNC", "FUA", "PREFLUSH", "META", "RAHEAD", "DIRECT")]
+    out += [Code(macro, idx, __name__) for macro, idx, _ in COUNTERS]
+    out += [Code(macro, value, __name__) for macro, value in (
+        ("KVPROF_LAYER_WRITEBACK", LAYER_WRITEBACK), ("KVPROF_DEVICE_STARTED", DEVICE_STARTED),
+        ("KVPROF_BATCH", BATCH), ("KVPROF_FL_FILTERED", FLAG_FILTERED))]
+    out += AGG_CODES
+    if "syscall" in layers:
+        out += [Code(f"SYS_{name.upper()}", i, sch, "probes/syscall.bpf.c")
+                for i, name in enumerate(schema.SYSCALLS)]
+        out += FILE_CODES
+    return out
 
 
 def _map_bytes(table) -> bytes:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from kvprof import caches
+from kvprof.capture.layout import Code, Struct
 
 SEEDED_IDS = 1 << 40  # KVPROF_SEEDED_IDS in probes/syscall.bpf.c
 CLOSED = 0xFFFFFFFF  # KVPROF_CLOSED: the record says the file was closed
@@ -28,10 +29,16 @@ DUP = 0xFFFFFFFE  # KVPROF_DUP: a descriptor duplicated from `from_id`
 PATH_MAX = 240  # KVPROF_PATH_MAX
 O_DIRECT = getattr(os, "O_DIRECT", 0o40000)
 
-# Mirrors struct kvprof_open in probes/syscall.bpf.c.
+# struct kvprof_open in probes/syscall.bpf.c, as numpy reads it.
 OPEN_DTYPE = np.dtype([("ts_ns", "<u8"), ("id", "<u8"), ("from_id", "<u8"), ("tgid", "<u4"),
                        ("fd", "<i4"), ("flags", "<u4"), ("pad", "<u4"),
                        ("path", f"S{PATH_MAX}")])
+# Checked against the C at load, with the syscall layer (kvprof/capture/layout.py).
+SYSCALL_C = "probes/syscall.bpf.c"
+LAYOUTS = (Struct("kvprof_open", OPEN_DTYPE, __name__, "open_layout", c_file=SYSCALL_C),)
+CODES = tuple(Code(macro, value, __name__, SYSCALL_C) for macro, value in (
+    ("KVPROF_SEEDED_IDS", SEEDED_IDS), ("KVPROF_CLOSED", CLOSED), ("KVPROF_DUP", DUP),
+    ("KVPROF_PATH_MAX", PATH_MAX)))
 # Kernel interfaces and devices are not storage an engine offloads to (the probe skips them
 # too, for the paths it sees; this catches them behind relative paths or links). Files in
 # /dev/shm (a tmpfs) are kept.
