@@ -15,6 +15,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
 
 from kvprof import __version__  # noqa: E402 - after the environment above
+from kvprof import layers as layer_table
+from kvprof import phase_sources
 from kvprof.calibrate import BY_NAME as PATTERNS
 from kvprof.errors import EX_NOPERM, EX_SOFTWARE, EX_USAGE, KvprofError
 
@@ -42,6 +44,20 @@ exit status: 0, or 1 when a gate failed
 """
 
 
+def source_usage(kind) -> str:
+    """How --phases names a source: kind, or kind=TARGET."""
+    return f"{kind.kind}={kind.target}" if kind.target else kind.kind
+
+
+def descriptor_help() -> str:
+    """What `kvprof record -h` says of each layer and phase source, one line each."""
+    lines = ["layers (--layer):"]
+    lines += [f"  {x.name:<10}{x.help}" for x in layer_table.LAYERS]
+    lines.append("phase sources (--phases):")
+    lines += [f"  {source_usage(k):<25}{k.help}" for k in phase_sources.PHASE_SOURCES]
+    return "\n".join(lines) + "\n"
+
+
 def _record_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", help="session directory (default: ./kvprof-DATE-TIME)")
     p.add_argument("-d", "--device", action="append", default=[],
@@ -50,11 +66,12 @@ def _record_args(p: argparse.ArgumentParser) -> None:
                    help="trace only this process and its threads; repeatable")
     p.add_argument("--cgroup", action="append", default=[],
                    help="trace only tasks in this cgroup v2 (path under /sys/fs/cgroup)")
-    p.add_argument("--layer", action="append",
-                   choices=("block", "io_uring", "syscall", "tcp", "gds"),
-                   help="capture only these layers (default: block and io_uring; with -p or "
-                        "--cgroup also the processes' file syscalls, TCP bytes, and cuFile "
-                        "calls where libcufile is installed)")
+    p.add_argument("--layer", action="append", choices=[x.name for x in layer_table.LAYERS],
+                   metavar="LAYER",
+                   help="capture only these layers, repeatable (see below; default: "
+                        + " and ".join(layer_table.DEVICE_NAMES) + "; with -p or --cgroup "
+                        "also the processes' file syscalls, TCP bytes, and cuFile calls where "
+                        "libcufile is installed)")
     p.add_argument("--duration", type=float, help="stop after this many seconds")
     p.add_argument("--max-size", type=_size, metavar="SIZE",
                    help="end the recording cleanly once the session takes this much disk "
@@ -84,10 +101,8 @@ def _record_args(p: argparse.ArgumentParser) -> None:
                         "the syscall layer's file names need)")
     p.add_argument("--phases", dest="phase_sources", action="append", default=[],
                    metavar="SOURCE[=TARGET]",
-                   help="phase source, repeatable: marks, vllm-plugin, vllm-metrics=URL, "
-                        "vllm-kv-events=ENDPOINT, sglang-fpm=ENDPOINT, sglang-metrics=URL, "
-                        "tgi-metrics=URL, nvml, auto (default: auto = discover running "
-                        "engines and GPUs; marks are always received)")
+                   help="phase source, repeatable (see below; default: auto; marks are "
+                        "always received)")
     p.add_argument("--cache", dest="caches", action="append", default=[], metavar="NAME=GLOB",
                    help="label files whose path matches GLOB as KV cache NAME (repeatable; "
                         "before the built-in lmcache-disk, vllm-fs-tier, vllm-disk-offload, "
@@ -96,6 +111,8 @@ def _record_args(p: argparse.ArgumentParser) -> None:
                    help="serve the exact per-phase totals as Prometheus metrics on this port "
                         "(/metrics; all addresses unless ADDR is given, e.g. 127.0.0.1:9464)")
     p.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)
+    # The layers and phase sources, one line each, from their descriptors.
+    p.epilog = descriptor_help() + "\n" + (p.epilog or "")
 
 
 TOP_EXAMPLES = """examples:
@@ -130,12 +147,14 @@ def _layers(args) -> tuple[str, ...]:
         return tuple(dict.fromkeys(args.layer))
     from kvprof.capture.gds import find_cufile
 
-    layers = ["block", "io_uring"]
+    layers = list(layer_table.DEVICE_NAMES)
     if args.pid or args.cgroup:
-        layers += [layer for layer in ("syscall", "tcp") if all(
-            system.tracepoint_available(t) for t in system.TRACEPOINTS[layer])]
+        # The process layers this kernel has the tracepoints for; gds attaches to libcufile
+        # instead, where it is installed.
+        layers += [x.name for x in layer_table.LAYERS if not x.device and x.tracepoints
+                   and all(system.tracepoint_available(t) for t in x.tracepoints)]
         if find_cufile():
-            layers.append("gds")
+            layers.append(layer_table.GDS.name)
     return tuple(layers)
 
 
@@ -385,13 +404,17 @@ def cmd_compare(args) -> int:
     from kvprof import compare
 
     gates = [compare.parse_gate(g) for g in args.gate]
-    (a, ta), (b, tb) = (load_summary(s, True, args.mixed) if args.html
-                        else (load_summary(s, mixed=args.mixed), None) for s in (args.a, args.b))
-    result = compare.compare(a, b, gates)
+    timelines: tuple[dict, dict] | None = None  # loaded only for --html
     if args.html:
+        (a, ta), (b, tb) = (load_summary(s, True, args.mixed) for s in (args.a, args.b))
+        timelines = (ta, tb)
+    else:
+        a, b = (load_summary(s, mixed=args.mixed) for s in (args.a, args.b))
+    result = compare.compare(a, b, gates)
+    if timelines is not None:
         from kvprof.htmlreport import compare_html
 
-        write_html(args.html, compare_html(result, a, b, (ta, tb), (args.a, args.b)))
+        write_html(args.html, compare_html(result, a, b, timelines, (args.a, args.b)))
     sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.json else
                      compare.to_text(result, args.a, args.b))
     sys.stdout.flush()

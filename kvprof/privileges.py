@@ -23,6 +23,8 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
+from kvprof import layers as layer_table
+
 CAP_DAC_READ_SEARCH = 2
 CAP_SETPCAP = 8
 CAP_SYS_PTRACE = 19
@@ -30,6 +32,7 @@ CAP_SYS_ADMIN = 21
 CAP_BPF = 39
 CAP_NAMES = {CAP_DAC_READ_SEARCH: "CAP_DAC_READ_SEARCH", CAP_SYS_PTRACE: "CAP_SYS_PTRACE",
              CAP_SYS_ADMIN: "CAP_SYS_ADMIN", CAP_BPF: "CAP_BPF"}
+CAP_NUMBERS = {name: cap for cap, name in CAP_NAMES.items()}
 
 _CAP_VERSION_3 = 0x20080522  # two 32-bit words per set
 PR_CAPBSET_DROP = 24
@@ -75,9 +78,10 @@ def _mask(caps) -> int:
 
 
 def needed(layers: tuple[str, ...]) -> frozenset[int]:
-    """What a recording of these layers still uses after attaching."""
-    return frozenset({CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH}) if "syscall" in layers \
-        else frozenset()
+    """What a recording of these layers still uses after attaching (each layer's
+    descriptor names it, kvprof/layers.py)."""
+    return frozenset(CAP_NUMBERS[cap] for name in layers
+                     for cap in layer_table.BY_NAME[name].privileges)
 
 
 def drop(keep: frozenset[int], works: Callable[[], bool]) -> str:

@@ -7,20 +7,24 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-# Layers that produce I/O rows.
-LAYER_BLOCK = "block"
-LAYER_IO_URING = "io_uring"
+from kvprof import layers
+from kvprof.phase_sources import PHASE_SOURCES
+
+# Layers that produce I/O rows, by name; each is described once in kvprof/layers.py (probe,
+# tracepoints, codes). Index = code.
+LAYER_BLOCK = layers.BLOCK.name
+LAYER_IO_URING = layers.IO_URING.name
 # The file syscalls of the traced processes (probes/syscall.bpf.c): what the application
 # asked of its files, page cache hits and buffered writes included.
-LAYER_SYSCALL = "syscall"
+LAYER_SYSCALL = layers.SYSCALL.name
 # TCP bytes the traced processes send and receive: network-backed KV stores.
-LAYER_TCP = "tcp"
+LAYER_TCP = layers.TCP.name
 # cuFile (GPUDirect Storage) calls at libcufile's USDT probes: DMA or compat-mode POSIX.
-LAYER_GDS = "gds"
-LAYERS = (LAYER_BLOCK, LAYER_IO_URING, LAYER_SYSCALL, LAYER_TCP, LAYER_GDS)
+LAYER_GDS = layers.GDS.name
+LAYERS = layers.NAMES
 # The layers a device sees once each byte: the others repeat (io_uring) or precede (syscall)
 # block requests.
-DEVICE_LAYERS = (LAYER_BLOCK, LAYER_IO_URING)
+DEVICE_LAYERS = layers.DEVICE_NAMES
 assert LAYERS[:len(DEVICE_LAYERS)] == DEVICE_LAYERS, "layer codes index both"
 
 # Operation codes shared with probes/kvprof.h (KVPROF_OP_*). Index = code.
@@ -42,9 +46,6 @@ SYSCALLS = ("read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64"
 PHASES = ("prefill", "decode", "mixed", "idle")
 # The latency quantiles every summary reports (name, q).
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))
-# Where a phase window came from, most exact first. Marks sent by an engine hook and marks
-# sent by hand both name the exact moment, so they rank together above scraped metrics.
-SOURCE_RANK = {"hook": 3, "manual": 3, "metrics": 2, "nvml": 1}
 
 IO = pa.schema(
     [
@@ -216,28 +217,27 @@ ENGINE_METRIC = pa.schema(
     ]
 )
 
+
+
+def _merged(parts) -> dict:
+    """Figure -> the tuples of every source that gives it, in PHASE_SOURCES order."""
+    out: dict = {}
+    for part in parts:
+        for figure, entries in part.items():
+            out[figure] = out.get(figure, ()) + tuple(entries)
+    return out
+
+
+# Where a phase window came from (the phase table's `source`) -> how exact it is; where
+# windows overlap, correlate keeps the most exact.
+SOURCE_RANK = {s.label: s.rank for s in PHASE_SOURCES if s.label and s.rank is not None}
 # The engines' own serving figures, from counters the metrics sources also keep in
 # engine_metric (only their _sum/_count, not the buckets). Figure -> (numerator, denominator)
 # series per engine, the first pair a session has is used: a mean is delta sum / delta count,
 # a hit share delta hits / delta queries, over the span asked for.
-ENGINE_MEANS = {
-    "ttft_s": (("vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count"),
-               ("sglang:time_to_first_token_seconds_sum",
-                "sglang:time_to_first_token_seconds_count")),
-    "itl_s": (("vllm:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_count"),
-              ("vllm:time_per_output_token_seconds_sum",
-               "vllm:time_per_output_token_seconds_count"),
-              ("sglang:inter_token_latency_seconds_sum",
-               "sglang:inter_token_latency_seconds_count"),
-              ("tgi_request_mean_time_per_token_duration_sum",
-               "tgi_request_mean_time_per_token_duration_count")),
-    "prefix_cache_hit_share": (("vllm:prefix_cache_hits_total",
-                                "vllm:prefix_cache_queries_total"),),
-}
+ENGINE_MEANS = _merged(s.means for s in PHASE_SOURCES)
 # Token counters: the session's generated tokens a second (its throughput).
-ENGINE_TOKENS = {"prompt_tokens": ("vllm:prompt_tokens_total", "sglang:prompt_tokens_total"),
-                 "generation_tokens": ("vllm:generation_tokens_total",
-                                       "sglang:generation_tokens_total")}
+ENGINE_TOKENS = _merged(s.tokens for s in PHASE_SOURCES)
 ENGINE_SERIES = frozenset([n for pairs in ENGINE_MEANS.values() for pair in pairs for n in pair]
                           + [n for names in ENGINE_TOKENS.values() for n in names])
 

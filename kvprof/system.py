@@ -6,6 +6,7 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvprof import layers
 from kvprof.errors import EX_NOPERM, EX_UNAVAILABLE, KvprofError
 
 CAP_SYS_ADMIN = 21
@@ -14,16 +15,9 @@ CAP_BPF = 39
 
 TRACEFS_CANDIDATES = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
 
-TRACEPOINTS = {
-    "block": ("block/block_rq_insert", "block/block_rq_issue", "block/block_rq_complete"),
-    "io_uring": ("io_uring/io_uring_submit_req", "io_uring/io_uring_complete"),
-    "syscall": tuple(f"syscalls/sys_{side}_{name}" for name in (
-        "read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64", "writev",
-        "pwritev", "pwritev2", "fsync", "fdatasync", "openat", "close", "dup", "dup2",
-        "dup3", "fcntl")
-        for side in ("enter", "exit")),
-    "tcp": ("sock/sock_send_length", "sock/sock_recv_length", "sock/inet_sock_set_state"),
-}
+# Layer -> the tracepoints ("group/name") its probe always attaches (kvprof/layers.py);
+# layers without any (gds: USDT probes) have no entry.
+TRACEPOINTS = {layer.name: layer.tracepoints for layer in layers.LAYERS if layer.tracepoints}
 
 
 @dataclass(frozen=True)
@@ -97,7 +91,7 @@ def ensure_tracefs() -> Path:
 
 def tracepoint_available(tp: str) -> bool:
     p = tracefs()
-    return bool(p) and (p / "events" / tp / "format").is_file()
+    return p is not None and (p / "events" / tp / "format").is_file()
 
 
 def check_tracepoints() -> list[Check]:
@@ -110,7 +104,7 @@ def check_tracepoints() -> list[Check]:
                              "a kernel with CONFIG_BLK_DEV_IO_TRACE, io_uring and "
                              "CONFIG_FTRACE_SYSCALLS tracepoints, and tracefs mounted",
                              # The process layers are opt-in: without them, the rest works.
-                             required=group not in ("syscall", "tcp")))
+                             required=layers.BY_NAME[group].device))
         else:
             names = [t.split("/")[1] for t in tps]
             out.append(Check(f"tracepoints:{group}", True, ", ".join(names) if len(names) <= 3

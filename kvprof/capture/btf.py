@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from kvprof import layers
 from kvprof.errors import EX_UNAVAILABLE, KvprofError
 
 VMLINUX = Path("/sys/kernel/btf/vmlinux")
@@ -168,40 +169,15 @@ def vmlinux() -> Btf:
         raise KvprofError(f"{VMLINUX}: {e}", EX_UNAVAILABLE) from None
 
 
-# The raw tracepoints the device probes attach to, with the arguments they read.
-TRACEPOINTS = {
-    "block": {"block_rq_insert": ["struct request *"], "block_rq_issue": ["struct request *"],
-              "block_rq_requeue": ["struct request *"],
-              "block_rq_complete": ["struct request *", "blk_status_t", "unsigned int"]},
-    "io_uring": {"io_uring_submit_req": ["struct io_kiocb *"],
-                 "io_uring_complete": ["struct io_ring_ctx *", "void *",
-                                       "struct io_uring_cqe *"]},
-}
+# Per layer (kvprof/layers.py), only those with raw tracepoints: the raw tracepoints its
+# probe attaches to with the arguments they read, as BTF names them (lists, as
+# tracepoint_args returns them).
+TRACEPOINTS = {layer.name: {tp: list(args) for tp, args in layer.raw_args.items()}
+               for layer in layers.LAYERS if layer.raw_args}
 # -D name: (struct, member) whose byte offset it carries.
-FIELDS = {
-    "block": {"KVPROF_RQ_Q": ("request", "q"), "KVPROF_RQ_CMD_FLAGS": ("request", "cmd_flags"),
-              "KVPROF_RQ_DATA_LEN": ("request", "__data_len"),
-              "KVPROF_RQ_SECTOR": ("request", "__sector"),
-              "KVPROF_Q_DISK": ("request_queue", "disk"),
-              "KVPROF_DISK_MAJOR": ("gendisk", "major"),
-              "KVPROF_DISK_FIRST_MINOR": ("gendisk", "first_minor")},
-    "io_uring": {"KVPROF_IOK_OPCODE": ("io_kiocb", "opcode"),
-                 "KVPROF_CQE_RES": ("io_uring_cqe", "res")},
-}
-# -D name: (enum, enumerator) whose value it carries (block/blk_types.h: the op numbers and
-# the cmd_flags bits; REQ_OP_BITS is where the first flag bit starts).
-ENUMS = {
-    "block": {"KVPROF_REQ_OP_BITS": ("req_flag_bits", "__REQ_FAILFAST_DEV"),
-              "KVPROF_REQ_OP_READ": ("req_op", "REQ_OP_READ"),
-              "KVPROF_REQ_OP_WRITE": ("req_op", "REQ_OP_WRITE"),
-              "KVPROF_REQ_OP_FLUSH": ("req_op", "REQ_OP_FLUSH"),
-              "KVPROF_REQ_OP_DISCARD": ("req_op", "REQ_OP_DISCARD"),
-              "KVPROF_REQ_SYNC_BIT": ("req_flag_bits", "__REQ_SYNC"),
-              "KVPROF_REQ_META_BIT": ("req_flag_bits", "__REQ_META"),
-              "KVPROF_REQ_FUA_BIT": ("req_flag_bits", "__REQ_FUA"),
-              "KVPROF_REQ_PREFLUSH_BIT": ("req_flag_bits", "__REQ_PREFLUSH"),
-              "KVPROF_REQ_RAHEAD_BIT": ("req_flag_bits", "__REQ_RAHEAD")},
-}
+FIELDS = {layer.name: dict(layer.fields) for layer in layers.LAYERS if layer.fields}
+# -D name: (enum, enumerator) whose value it carries.
+ENUMS = {layer.name: dict(layer.enums) for layer in layers.LAYERS if layer.enums}
 
 
 def layout_defines(layers: tuple[str, ...], btf: Btf | None = None) -> dict[str, int]:
@@ -222,7 +198,7 @@ def layout_defines(layers: tuple[str, ...], btf: Btf | None = None) -> dict[str,
             if got != args:
                 raise _unsupported(f"its {tp} tracepoint takes ({', '.join(got)}), "
                                    f"not ({', '.join(args)})")
-        for name, (struct_name, member) in FIELDS[layer].items():
+        for name, (struct_name, member) in FIELDS.get(layer, {}).items():
             try:
                 m = btf.member(struct_name, member)
             except KeyError:

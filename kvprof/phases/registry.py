@@ -3,28 +3,20 @@
 Marks on the marker socket are always received (the vLLM plugin and manual marks use it);
 the other sources run next to them, each in its own thread. When windows of several sources
 cover the same time, correlate keeps the most exact (hook > metrics > nvml).
+
+Each source is described once: its facts (rank, target, engine figures, roles, help) in
+kvprof/phase_sources.py, how it is found and built in SOURCES below, under the same kind;
+tests/test_descriptors.py fails while the two disagree.
 """
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvprof.phase_sources import PHASE_SOURCE_KINDS
 from kvprof.errors import EX_USAGE, KvprofError
-
-# name -> (needs a target, default target, exactness rank used to order `auto` choices)
-KINDS = {
-    "marks": (False, None, 3),
-    "vllm-plugin": (False, None, 3),
-    "vllm-metrics": (True, "http://127.0.0.1:8000/metrics", 2),
-    "vllm-kv-events": (True, "tcp://127.0.0.1:5557", 0),
-    "sglang-fpm": (True, None, 3),
-    "sglang-metrics": (True, "http://127.0.0.1:30000/metrics", 2),
-    "tgi-metrics": (True, "http://127.0.0.1:9000/metrics", 2),
-    "nvml": (False, None, 1),
-    "auto": (False, None, 0),
-}
-
 
 @dataclass(frozen=True)
 class SourceSpec:
@@ -37,14 +29,15 @@ class SourceSpec:
 
 def parse(spec: str) -> SourceSpec:
     kind, _, target = spec.partition("=")
-    if kind not in KINDS:
-        raise KvprofError(f"unknown phase source {kind!r}; one of: {', '.join(KINDS)}", EX_USAGE)
-    needs, default, _ = KINDS[kind]
-    target = target or default
-    if needs and not target:
-        raise KvprofError(f"phase source {kind} needs a target: --phases {kind}=ENDPOINT",
+    facts = PHASE_SOURCE_KINDS.get(kind)
+    if facts is None:
+        raise KvprofError(f"unknown phase source {kind!r}; one of: "
+                          f"{', '.join(PHASE_SOURCE_KINDS)}", EX_USAGE)
+    chosen = target or facts.default_target
+    if facts.target and not chosen:
+        raise KvprofError(f"phase source {kind} needs a target: --phases {kind}={facts.target}",
                           EX_USAGE)
-    return SourceSpec(kind, target or None)
+    return SourceSpec(kind, chosen or None)
 
 
 def _flag(argv: list[str], name: str) -> str | None:
@@ -56,32 +49,118 @@ def _flag(argv: list[str], name: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Discovery:
+    """How `auto` finds a source: a process whose command line matches `engine` runs it, at
+    the target `target` reads from its arguments (None: this one does not)."""
+
+    engine: re.Pattern
+    target: Callable[[list[str]], str | None]
+
+
+def _metrics_url(port_flag: str, default_port: str) -> Callable[[list[str]], str]:
+    return lambda argv: f"http://127.0.0.1:{_flag(argv, port_flag) or default_port}/metrics"
+
+
+def _kv_events_endpoint(argv: list[str]) -> str | None:
+    m = re.search(r'"endpoint"\s*:\s*"([^"]+)"', _flag(argv, "--kv-events-config") or "")
+    return m.group(1).replace("*", "127.0.0.1") if m else None
+
+
+VLLM = re.compile(r"\bvllm\b.*\bserve\b|vllm\.entrypoints")
+SGLANG = re.compile(r"sglang\.launch_server|\bsglang\b.*\bserve\b")
+TGI = re.compile(r"text-generation-launcher|text-generation-router")
+
+
+# Imports happen inside the builders so unused sources cost nothing.
+def _vllm_metrics(target: str | None):
+    from kvprof.phases.metrics import VllmMetrics
+
+    return VllmMetrics(target)
+
+
+def _sglang_metrics(target: str | None):
+    from kvprof.phases.metrics import SglangMetrics
+
+    return SglangMetrics(target)
+
+
+def _tgi_metrics(target: str | None):
+    from kvprof.phases.metrics import TgiMetrics
+
+    return TgiMetrics(target)
+
+
+def _endpoint(kind: str, target: str | None) -> str:
+    # parse() refuses these kinds without one; a SourceSpec made by hand may still lack it.
+    if not target:
+        raise KvprofError(f"phase source {kind} needs a target: --phases {kind}=ENDPOINT",
+                          EX_USAGE)
+    return target
+
+
+def _sglang_fpm(target: str | None):
+    from kvprof.phases.zmq_sources import SglangFpm
+
+    return SglangFpm(_endpoint("sglang-fpm", target))
+
+
+def _vllm_kv_events(target: str | None):
+    from kvprof.phases.zmq_sources import VllmKvEvents
+
+    return VllmKvEvents(_endpoint("vllm-kv-events", target))
+
+
+def _nvml(target: str | None):
+    from kvprof.phases.nvml import NvmlSource
+
+    return NvmlSource()
+
+
+@dataclass(frozen=True)
+class Source:
+    """How a kind of kvprof/phase_sources.py is built (those run in a thread of their own) and
+    found by `auto` (those a running engine's command line names)."""
+
+    build: Callable[[str | None], object] | None = None
+    discover: Discovery | None = None
+
+
+# In PHASE_SOURCES order: `auto` lists an engine's sources in this order.
+SOURCES: dict[str, Source] = {
+    "marks": Source(),
+    "vllm-plugin": Source(),
+    "vllm-metrics": Source(_vllm_metrics, Discovery(VLLM, _metrics_url("--port", "8000"))),
+    "vllm-kv-events": Source(_vllm_kv_events, Discovery(VLLM, _kv_events_endpoint)),
+    "sglang-fpm": Source(_sglang_fpm),
+    "sglang-metrics": Source(_sglang_metrics,
+                             Discovery(SGLANG, _metrics_url("--port", "30000"))),
+    "tgi-metrics": Source(_tgi_metrics,
+                          Discovery(TGI, _metrics_url("--prometheus-port", "9000"))),
+    "nvml": Source(_nvml),
+    "auto": Source(),
+}
+
+
 def discover(proc: Path = Path("/proc")) -> list[SourceSpec]:
     """Serving engines running on this host, from their command lines, most exact source
     first per engine. Nothing found: an empty list (marks still work)."""
     found: list[SourceSpec] = []
     pids = sorted((d for d in proc.iterdir() if d.name.isdigit()), key=lambda d: int(d.name)) \
         if proc.is_dir() else []
+    finders = [(kind, s.discover) for kind, s in SOURCES.items() if s.discover]
     for d in pids:
         try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
+            raw = (d / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        argv = [a.decode(errors="replace") for a in argv if a]
+        argv = [a.decode(errors="replace") for a in raw if a]
         line = " ".join(argv)
-        if re.search(r"\bvllm\b.*\bserve\b|vllm\.entrypoints", line):
-            port = _flag(argv, "--port") or "8000"
-            found.append(SourceSpec("vllm-metrics", f"http://127.0.0.1:{port}/metrics"))
-            kv = _flag(argv, "--kv-events-config")
-            m = re.search(r'"endpoint"\s*:\s*"([^"]+)"', kv or "")
-            if m:
-                found.append(SourceSpec("vllm-kv-events", m.group(1).replace("*", "127.0.0.1")))
-        elif re.search(r"sglang\.launch_server|\bsglang\b.*\bserve\b", line):
-            port = _flag(argv, "--port") or "30000"
-            found.append(SourceSpec("sglang-metrics", f"http://127.0.0.1:{port}/metrics"))
-        elif "text-generation-launcher" in line or "text-generation-router" in line:
-            port = _flag(argv, "--prometheus-port") or "9000"
-            found.append(SourceSpec("tgi-metrics", f"http://127.0.0.1:{port}/metrics"))
+        # A process is one engine: the first whose command line it matches.
+        engine = next((f.engine for _, f in finders if f.engine.search(line)), None)
+        for kind, f in finders:
+            if f.engine is engine and (target := f.target(argv)):
+                found.append(SourceSpec(kind, target))
     return list(dict.fromkeys(found))
 
 
@@ -98,7 +177,7 @@ def resolve_specs(specs: list[str], log=None) -> list[SourceSpec]:
                 out.append(SourceSpec("nvml"))
             if log:
                 log("phase sources (auto): marks" + "".join(f", {s}" for s in out))
-        elif p.kind not in ("marks", "vllm-plugin"):
+        elif PHASE_SOURCE_KINDS[p.kind].built:
             out.append(p)
     return list(dict.fromkeys(out))
 
@@ -113,29 +192,8 @@ def _nvml_present() -> bool:
 
 
 def build(spec: SourceSpec):
-    """Instantiate a source; imports happen here so unused sources cost nothing."""
-    if spec.kind == "vllm-metrics":
-        from kvprof.phases.metrics import VllmMetrics
-
-        return VllmMetrics(spec.target)
-    if spec.kind == "sglang-metrics":
-        from kvprof.phases.metrics import SglangMetrics
-
-        return SglangMetrics(spec.target)
-    if spec.kind == "tgi-metrics":
-        from kvprof.phases.metrics import TgiMetrics
-
-        return TgiMetrics(spec.target)
-    if spec.kind == "sglang-fpm":
-        from kvprof.phases.zmq_sources import SglangFpm
-
-        return SglangFpm(spec.target)
-    if spec.kind == "vllm-kv-events":
-        from kvprof.phases.zmq_sources import VllmKvEvents
-
-        return VllmKvEvents(spec.target)
-    if spec.kind == "nvml":
-        from kvprof.phases.nvml import NvmlSource
-
-        return NvmlSource()
-    raise KvprofError(f"phase source {spec.kind} cannot be built", EX_USAGE)
+    """Instantiate a source; imports happen in its builder so unused sources cost nothing."""
+    source = SOURCES.get(spec.kind)
+    if source is None or source.build is None:
+        raise KvprofError(f"phase source {spec.kind} cannot be built", EX_USAGE)
+    return source.build(spec.target)
