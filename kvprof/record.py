@@ -12,7 +12,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -31,7 +32,9 @@ from kvprof.sampling import row as sampling_row
 from kvprof.store import DB_FILE, Store, recorder_identity, segment_path, segments
 
 if TYPE_CHECKING:
-    from kvprof.capture.ebpf import CaptureFilter
+    from kvprof.capture.ebpf import Capture, CaptureFilter
+    from kvprof.exporter import Exporter
+    from kvprof.phases.marks import MarkServer
 
 FLUSH_INTERVAL_S = 0.25
 RESERVE_BYTES = 4 << 20
@@ -115,89 +118,144 @@ class StopFlag:
             signal.signal(sig, old)
 
 
-def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
-           stop: threading.Event | None = None,
-           on_start: Callable[[Store], None] | None = None,
-           on_flush: Callable[[], None] | None = None) -> Path:
-    """Record one session and return its directory. `on_start` gets the store once the
-    probes are attached and the session row exists (`kvprof top` reads it live through its
-    own cursor); it must not keep using the store after `stop` is set."""
-    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
-    system.require_privilege()
-    system.ensure_tracefs()
-    system.require_headers()
-    filters = resolve_filters(opts)
-    cache_rules = caches.parse(opts.caches)
-    for layer in opts.layers:
-        # (gds attaches to USDT probes in a library, not to tracepoints.)
-        missing = [t for t in system.TRACEPOINTS.get(layer, ())
-                   if not system.tracepoint_available(t)]
-        if missing:
-            raise KvprofError(f"this kernel lacks tracepoints {', '.join(missing)}; "
-                              f"record without that layer", EX_USAGE)
+@dataclass(frozen=True)
+class _Attached:
+    """The parts `open()` made that the later steps (`run`, `flush`, `roll`, `finish`) use,
+    set together once all exist. `close()` asks instead of the recorder's own `marks` and
+    `capture`, one by one: it also runs after an `open()` that stopped part way."""
 
-    from kvprof.capture.bccload import bcc_version
-    from kvprof.capture.ebpf import Capture
-    from kvprof.phases.marks import MarkServer, group_id, user_id
+    filters: CaptureFilter
+    marks: MarkServer
+    capture: Capture
 
-    flag = StopFlag()
-    if stop is None:
-        flag.install()
-        stop = flag.event
-    out = Path(opts.out) if opts.out else default_out()
-    fresh_dir = not out.exists()
-    # Claim the marker socket first: a second recorder on the same socket fails before it
-    # leaves an empty session directory behind.
-    marks = MarkServer(socket_path(opts.socket), opts.socket_mode,
-                       None if opts.socket_group is None else group_id(opts.socket_group),
-                       tuple(user_id(u) for u in opts.allow_senders))
-    try:
-        Store.check_new(out)  # (outside the cleanup below: it may refuse a kept session)
-    except BaseException:
-        marks.stop(time.monotonic_ns())
-        raise
-    exporter = None
-    store = None
-    capture = None
-    started = False
-    sources: list = []
-    try:
+
+class Recorder:
+    """One recording, in steps: `open()` checks the host, attaches the probes and writes the
+    session row; `flush()` moves one drain into the store; `roll()` goes on in the next
+    segment; `finish()` stops capture and says how the session ended. `close()` is the one
+    way out, whichever way the recording ends (a usual stop, a signal, a full disk, an
+    error): it stops what still runs and closes the store, which keeps every flush committed
+    so far. `stop`: the event that ends the recording; without one, SIGINT and SIGTERM set
+    the recorder's own, from `open()` until `close()`."""
+
+    def __init__(self, opts: RecordOptions, log: Callable[[str], None] | None = None,
+                 stop: threading.Event | None = None, live: bool = False):
+        self.opts = opts
+        self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+        self._flag = StopFlag()
+        # Without an event of the caller's, the flag's: open() has signals set it.
+        self.stop = stop if stop is not None else self._flag.event
+        self.live = live  # the store is read while it is written (`kvprof top`)
+        self.out = Path(opts.out) if opts.out else default_out()
+        self._attached: _Attached | None = None
+        self.marks: MarkServer | None = None
+        self.capture: Capture | None = None
+        self.sources: list = []  # (spec, source)
+        self.exporter: Exporter | None = None
+        self.store: Store | None = None
+        self.book = WindowBook(opts.settle_s)
+        self.row: dict = {}
+        self.started = False  # capture runs: from here on the session is kept
+        # Set once Store.check_new accepted the directory: until then it may be a kept
+        # session that close() must leave as it is.
+        self._claimed = False
+        self._fresh_dir = False
+        self._reserve: Path | None = None
+        self._flushes = 0
+        self._segment = 0
+        self._segment_start = 0
+        self._offset = 0
+        self._closed = False
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def _parts(self) -> _Attached:
+        # Only the steps after open() read it.
+        assert self._attached is not None, "Recorder.open() has not run"
+        return self._attached
+
+    @property
+    def _store(self) -> Store:
+        # None only before open() made it and once close() or a full disk ended the
+        # recording, after which no step but close() runs.
+        assert self.store is not None, "the recorder has no open store"
+        return self.store
+
+    @property
+    def _feeds(self) -> tuple:
+        return (self._parts.marks, *(s for _, s in self.sources))
+
+    def _preflight(self) -> tuple[CaptureFilter, tuple[caches.Rule, ...]]:
+        """Everything that can refuse the recording before anything is made or claimed."""
+        system.require_privilege()
+        system.ensure_tracefs()
+        system.require_headers()
+        filters = resolve_filters(self.opts)
+        cache_rules = caches.parse(self.opts.caches)
+        for layer in self.opts.layers:
+            # (gds attaches to USDT probes in a library, not to tracepoints.)
+            missing = [t for t in system.TRACEPOINTS.get(layer, ())
+                       if not system.tracepoint_available(t)]
+            if missing:
+                raise KvprofError(f"this kernel lacks tracepoints {', '.join(missing)}; "
+                                  f"record without that layer", EX_USAGE)
+        return filters, cache_rules
+
+    def open(self, on_start: Callable[[Store], None] | None = None) -> None:
+        """Preflight, claim the marker socket and the session directory, attach the probes,
+        write the session row and start capture, the phase sources and the exporter.
+        `on_start` gets the store once all that is done."""
+        opts = self.opts
+        filters, cache_rules = self._preflight()
+
+        from kvprof.capture.bccload import bcc_version
+        from kvprof.capture.ebpf import Capture
+        from kvprof.phases.marks import MarkServer, group_id, user_id
+
+        if self.stop is self._flag.event:
+            self._flag.install()
+        self._fresh_dir = not self.out.exists()
+        # Claim the marker socket first: a second recorder on the same socket fails before it
+        # leaves an empty session directory behind.
+        self.marks = marks = MarkServer(
+            socket_path(opts.socket), opts.socket_mode,
+            None if opts.socket_group is None else group_id(opts.socket_group),
+            tuple(user_id(u) for u in opts.allow_senders))
+        Store.check_new(self.out)
+        self._claimed = True
+        metrics_host = None
         if opts.prometheus is not None:
             # Bound before anything attaches: a taken port fails without leaving a session.
             from kvprof.exporter import Exporter
 
-            exporter = Exporter({})
-            exporter.bind(opts.prometheus)
+            self.exporter = Exporter({})
+            self.exporter.bind(opts.prometheus)
+            metrics_host = opts.prometheus.rpartition(":")[0] or "*"
         # Marks are taken while the probes compile (the thread holds no privilege).
         marks.start()
-        for spec in registry.resolve_specs(opts.phases, log):
+        for spec in registry.resolve_specs(opts.phases, self.log):
             try:
-                sources.append((spec, registry.build(spec)))
+                self.sources.append((spec, registry.build(spec)))
             except KvprofError as e:
                 if opts.phases:  # asked for by name: say so and stop
                     raise
-                log(f"kvprof: phase source {spec} not used: {e}")
-        capture = Capture(opts.layers, filters, cache_rules=cache_rules,
-                          device_events=opts.events, event_rate=opts.event_rate)
+                self.log(f"kvprof: phase source {spec} not used: {e}")
+        self.capture = capture = Capture(opts.layers, filters, cache_rules=cache_rules,
+                                         device_events=opts.events,
+                                         event_rate=opts.event_rate)
+        self._attached = _Attached(filters, marks, capture)
         if opts.drop_privileges:
-            # Before any other thread starts (DuckDB's workers, the sources', the drain's):
-            # each copies what this one holds when it starts.
-            try:
-                kept = privileges.drop(privileges.needed(opts.layers), capture.usable)
-            except OSError as e:  # a sandbox that forbids capset or prctl
-                log(f"kvprof: privileges could not be dropped ({e}); recording with them")
-            else:
-                if threading.current_thread() is threading.main_thread():
-                    held = privileges.holders()
-                    if held:
-                        log(f"kvprof: threads started before attaching keep privileges: "
-                            f"{', '.join(held)}")
-                log(f"kvprof: probes attached; privileges dropped (kept: {kept})")
-        store = Store.create(out, live=on_start is not None)
-        book = WindowBook(opts.settle_s)
+            self._drop_privileges(capture)
+        self.store = store = Store.create(self.out, live=self.live)
         start_ns = time.monotonic_ns()
-        offset = time.time_ns() - time.monotonic_ns()
-        row = {
+        self._offset = offset = time.time_ns() - time.monotonic_ns()
+        self._segment_start = start_ns
+        self.row = {
             "session_id": uuid.uuid4().hex[:12],
             "host": socket.gethostname(),
             "kernel": platform.release(),
@@ -211,7 +269,8 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             "config": json.dumps({"layers": list(opts.layers), "devices": opts.devices,
                                   "pids": opts.pids, "cgroups": opts.cgroups,
                                   "socket": str(marks.path),
-                                  "phase_sources": ["marks", *(str(sp) for sp, _ in sources)],
+                                  "phase_sources": ["marks",
+                                                    *(str(sp) for sp, _ in self.sources)],
                                   "caches": [[r.name, r.glob] for r in cache_rules],
                                   "device_events": opts.events,
                                   "event_rate": opts.event_rate if opts.events else None,
@@ -223,125 +282,219 @@ def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
             "sources": "[]",
             "status": "recording",
         }
-        store.write_session(row)
-        if opts.events and set(opts.layers) & {"block", "io_uring"}:
+        store.write_session(self.row)
+        device_layers = set(opts.layers) & set(schema.DEVICE_LAYERS)
+        if opts.events and device_layers:
             store.append("event_sampling", sampling_row(start_ns, 0))
         capture.start()
-        started = True
-        for _, src in sources:
+        self.started = True
+        for _, src in self.sources:
             src.start()
-        if exporter is not None:
-            exporter.start()
+        if self.exporter is not None:
+            self.exporter.start()
         if on_start is not None:
             on_start(store)
         where = []
-        if set(opts.layers) & {"block", "io_uring"}:
+        if device_layers:
             where.append(", ".join(d.name for d in filters.devices) or "all block devices")
         if filters.tgids or filters.cgroup_ids:
             where.append(", ".join([*(f"pid {t}" for t in filters.tgids),
                                     *(f"cgroup {c}" for c in opts.cgroups)]))
-        if exporter is not None:
-            exporter.info = {"version": __version__, "kernel": row["kernel"],
-                             "host": row["host"], "session": row["session_id"]}
-            exporter.settled_ns = start_ns
-            log(f"Prometheus metrics on http://{opts.prometheus.rpartition(':')[0] or '*'}:"
-                f"{exporter.port}/metrics")
-        log(f"Tracing {'+'.join(opts.layers)} I/O on {'; '.join(where) or 'all processes'}; "
-            f"marks on {marks.path}; session {out}. Hit Ctrl-C to end.")
-        feeds = (marks, *(s for _, s in sources))
-        deadline = None if opts.duration_s is None else time.monotonic() + opts.duration_s
-        flushes = 0
-        segment, segment_start = 0, start_ns
+        if self.exporter is not None:
+            self.exporter.info = {"version": __version__, "kernel": self.row["kernel"],
+                                  "host": self.row["host"], "session": self.row["session_id"]}
+            self.exporter.settled_ns = start_ns
+            self.log(f"Prometheus metrics on http://{metrics_host}:{self.exporter.port}/metrics")
+        self.log(f"Tracing {'+'.join(opts.layers)} I/O on {'; '.join(where) or 'all processes'}; "
+                 f"marks on {marks.path}; session {self.out}. Hit Ctrl-C to end.")
+        self._reserve = _reserve(self.out)
 
-        def write_row() -> None:
-            # Each segment's row starts where the segment does (store._open_segments).
-            store.write_session({**row, "start_ns": segment_start,
-                                 "start_wall_ns": segment_start + offset})
-
-        reserve = _reserve(out)
+    def _drop_privileges(self, capture: Capture) -> None:
+        # Before any other thread starts (DuckDB's workers, the sources', the drain's): each
+        # copies what this one holds when it starts.
         try:
-            while not stop.is_set():
-                timeout = FLUSH_INTERVAL_S
-                if deadline is not None:
-                    timeout = min(timeout, max(0.0, deadline - time.monotonic()))
-                if stop.wait(timeout) or (deadline is not None and time.monotonic() >= deadline):
-                    break
-                now = _drain(store, capture, feeds, book, exporter)
-                flushes += 1
-                if on_flush is not None:
-                    on_flush()  # a live view shows the flush now, not at its next tick
-                row["end_ns"] = now
-                if opts.roll is not None and \
-                        _disk_bytes(out, segment_path(out, segment)) >= opts.roll:
-                    row.update(lost=json.dumps(capture.lost() | marks.counts() | book.counts()))
-                    write_row()
-                    store.close()
-                    store = None
-                    segment, segment_start = segment + 1, now
-                    store = Store.create(out, segment, live=on_start is not None)
-                    write_row()
-                    if capture.sampler.max_rate:
-                        store.append("event_sampling",
-                                     sampling_row(now, capture.sampler.shift))
-                    if opts.max_size is not None:
-                        _prune(out, opts.max_size, log)
-                    continue
-                if opts.roll is None and opts.max_size is not None and \
-                        _disk_bytes(out) >= opts.max_size:
-                    log(f"kvprof: the session reached --max-size ({opts.max_size >> 20} MiB); "
-                        "ending the recording")
-                    break
-                if flushes % LOST_EVERY == 0:  # live views show losses while they happen
-                    lost = capture.lost() | marks.counts() | book.counts()
-                    if exporter is not None:
-                        exporter.lost(lost)
-                    row.update(lost=json.dumps(lost))
-                    write_row()
-                else:
-                    store.mark_end(now)
+            kept = privileges.drop(privileges.needed(self.opts.layers), capture.usable)
+        except OSError as e:  # a sandbox that forbids capset or prctl
+            self.log(f"kvprof: privileges could not be dropped ({e}); recording with them")
+            return
+        if threading.current_thread() is threading.main_thread():
+            held = privileges.holders()
+            if held:
+                self.log(f"kvprof: threads started before attaching keep privileges: "
+                         f"{', '.join(held)}")
+        self.log(f"kvprof: probes attached; privileges dropped (kept: {kept})")
+
+    def run(self, on_flush: Callable[[], None] | None = None) -> None:
+        """Flush every FLUSH_INTERVAL_S until `stop` is set, --duration is up or the session
+        reaches --max-size, rolling segments on the way; `on_flush` is called after each."""
+        opts = self.opts
+        deadline = None if opts.duration_s is None else time.monotonic() + opts.duration_s
+        while not self.stop.is_set():
+            timeout = FLUSH_INTERVAL_S
+            if deadline is not None:
+                timeout = min(timeout, max(0.0, deadline - time.monotonic()))
+            if self.stop.wait(timeout) or \
+                    (deadline is not None and time.monotonic() >= deadline):
+                break
+            now = self.flush()
+            if on_flush is not None:
+                on_flush()  # a live view shows the flush now, not at its next tick
+            if opts.roll is not None and \
+                    _disk_bytes(self.out, segment_path(self.out, self._segment)) >= opts.roll:
+                self.roll(now)
+                continue
+            if opts.roll is None and opts.max_size is not None and \
+                    _disk_bytes(self.out) >= opts.max_size:
+                self.log(f"kvprof: the session reached --max-size ({opts.max_size >> 20} MiB); "
+                         "ending the recording")
+                break
+            self._update_session(now)
+
+    def flush(self) -> int:
+        """One drain of what capture and the phase sources collected into the store; returns
+        the time the open windows were cut at, where the session now ends."""
+        with self._writing():
+            now = _drain(self._store, self._parts.capture, self._feeds, self.book, self.exporter)
+        self._flushes += 1
+        self.row["end_ns"] = now
+        return now
+
+    def roll(self, now: int) -> None:
+        """Close this segment with the session row as it stands and go on in the next, from
+        `now`; with --max-size, delete the oldest segments to stay under it."""
+        with self._writing():
+            self.row.update(lost=json.dumps(self._lost()))
+            self._write_row()
+            self._store.close()
+            self.store = None
+            self._segment, self._segment_start = self._segment + 1, now
+            self.store = store = Store.create(self.out, self._segment, live=self.live)
+            self._write_row()
+            sampler = self._parts.capture.sampler
+            if sampler.max_rate:
+                store.append("event_sampling", sampling_row(now, sampler.shift))
+            if self.opts.max_size is not None:
+                _prune(self.out, self.opts.max_size, self.log)
+
+    def _update_session(self, now: int) -> None:
+        """The session row after a flush: where it ends, and every LOST_EVERY flushes what was
+        lost, so live views show losses while they happen."""
+        with self._writing():
+            if self._flushes % LOST_EVERY == 0:
+                lost = self._lost()
+                if self.exporter is not None:
+                    self.exporter.lost(lost)
+                self.row.update(lost=json.dumps(lost))
+                self._write_row()
+            else:
+                self._store.mark_end(now)
+
+    def finish(self) -> None:
+        """Stop capture and the phase sources, flush what they still held and mark the
+        session complete with its losses and the sources' problems."""
+        parts = self._parts
+        capture = parts.capture
+        with self._writing():
             capture.stop()
             end_ns = time.monotonic_ns()
-            for src in feeds:
+            for src in self._feeds:
                 src.stop(end_ns)
-            _drain(store, capture, feeds, book, exporter, closed=True)
-            lost = capture.lost() | marks.counts() | book.counts()
-            row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
-                       sources=json.dumps([{"source": str(sp), **_status(src)}
-                                           for sp, src in sources]),
-                       devices=_devices_json(filters.devices or tuple(capture.seen_devices())))
-            write_row()
-        except (duckdb.Error, OSError) as e:
-            if not _disk_full(e, out):
-                raise
-            # What was committed before stays; the session row says how it ended.
-            _end_on_full_disk(store, out, reserve, row["end_ns"], log)
-            store = None
-            raise KvprofError(f"the disk holding {out} is full: recording stopped; what was "
-                              "recorded up to the last flush stays readable (status 'disk "
-                              "full')", EX_IOERR) from None
-        _drop(reserve)
-        log(f"Recorded {capture.events_total} I/Os in {(end_ns - start_ns) / 1e9:.1f} s; "
-            f"lost {sum(lost.values())}. Report: kvprof report {out}")
-        return out
-    finally:
-        # Whatever happened, what was captured so far stays readable.
-        if not marks._stop.is_set():
-            marks.stop(time.monotonic_ns())
-        if capture is not None and not capture._stop.is_set():
-            capture.stop()
-        for _, src in sources:
+            _drain(self._store, capture, self._feeds, self.book, self.exporter, closed=True)
+            lost = self._lost()
+            self.row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
+                            sources=json.dumps([{"source": str(sp), **_status(src)}
+                                                for sp, src in self.sources]),
+                            devices=_devices_json(parts.filters.devices
+                                                  or tuple(capture.seen_devices())))
+            self._write_row()
+        _drop(self._reserve)
+        self._reserve = None
+        self.log(f"Recorded {capture.events_total} I/Os in "
+                 f"{(end_ns - self.row['start_ns']) / 1e9:.1f} s; lost {sum(lost.values())}. "
+                 f"Report: kvprof report {self.out}")
+
+    def close(self) -> None:
+        """Release everything, on every way out: stop the marks, capture and sources that
+        still run, close the store (committing what it holds), the exporter and the signal
+        handlers, and, when capture never started, remove the empty session. Each step runs
+        even when one before it failed; the first failure is raised after the last step."""
+        if self._closed:
+            return
+        self._closed = True
+        failures: list[Exception] = []
+
+        def attempt(step: Callable[[], object]) -> None:
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - raised once the other steps ran
+                failures.append(e)
+
+        # Stopped before the store closes: nothing is still being taken while it does.
+        marks = self.marks
+        if marks is not None and not marks.stopping:
+            attempt(lambda: marks.stop(time.monotonic_ns()))
+        if self.capture is not None and not self.capture.stopping:
+            attempt(self.capture.stop)
+        for _, src in self.sources:
             if not src.stopping:
-                src.stop(time.monotonic_ns())
-        if store is not None:
-            store.close()
-        if exporter is not None:
-            exporter.close()
-        flag.restore()
-        if not started:
+                # No `src=src` binding needed: attempt() calls it in this iteration.
+                attempt(lambda: src.stop(time.monotonic_ns()))
+        if self.store is not None:
+            store, self.store = self.store, None
+            attempt(store.close)
+        if self.exporter is not None:
+            attempt(self.exporter.close)
+        # (A full disk's path dropped it already, to write the status.)
+        attempt(lambda: _drop(self._reserve))
+        self._reserve = None
+        attempt(self._flag.restore)
+        if self._claimed and not self.started:
             # Nothing was recorded: there is nothing to keep, at most an empty store.
-            (out / DB_FILE).unlink(missing_ok=True)
-            if fresh_dir:
-                shutil.rmtree(out, ignore_errors=True)
+            attempt(lambda: (self.out / DB_FILE).unlink(missing_ok=True))
+            if self._fresh_dir:
+                shutil.rmtree(self.out, ignore_errors=True)
+        if failures:
+            raise failures[0]
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Around what writes the session: a full disk ends the recording there, with what
+        was committed before kept and the session row saying how it ended."""
+        try:
+            yield
+        except (duckdb.Error, OSError) as e:
+            if not _disk_full(e, self.out):
+                raise
+            # The store's connection is dead: close() must not checkpoint it.
+            store, self.store = self.store, None
+            _end_on_full_disk(store, self.out, self._reserve, self.row["end_ns"], self.log)
+            self._reserve = None
+            raise KvprofError(f"the disk holding {self.out} is full: recording stopped; what "
+                              "was recorded up to the last flush stays readable (status 'disk "
+                              "full')", EX_IOERR) from None
+
+    def _lost(self) -> dict[str, int]:
+        parts = self._parts
+        return parts.capture.lost() | parts.marks.counts() | self.book.counts()
+
+    def _write_row(self) -> None:
+        # Each segment's row starts where the segment does (store._open_segments).
+        self._store.write_session({**self.row, "start_ns": self._segment_start,
+                                  "start_wall_ns": self._segment_start + self._offset})
+
+
+def record(opts: RecordOptions, log: Callable[[str], None] | None = None,
+           stop: threading.Event | None = None,
+           on_start: Callable[[Store], None] | None = None,
+           on_flush: Callable[[], None] | None = None) -> Path:
+    """Record one session and return its directory. `on_start` gets the store once the
+    probes are attached and the session row exists (`kvprof top` reads it live through its
+    own cursor); it must not keep using the store after `stop` is set."""
+    with Recorder(opts, log, stop, live=on_start is not None) as recorder:
+        recorder.open(on_start)
+        recorder.run(on_flush)
+        recorder.finish()
+    return recorder.out
 
 
 def _reserve(out: Path) -> Path | None:
@@ -543,7 +696,9 @@ class BackgroundRecorder:
         finally:
             self.ready.set()
 
-    def start(self) -> None:
+    def start(self) -> Store:
+        """Start recording; once the probes are attached, return the store `record()`
+        handed over."""
         self._thread.start()
         try:
             attached = self.ready.wait(ATTACH_TIMEOUT_S)
@@ -557,6 +712,9 @@ class BackgroundRecorder:
             raise KvprofError(f"the recorder did not attach within {ATTACH_TIMEOUT_S:.0f} s",
                               EX_UNAVAILABLE)
         self._raise()
+        # `ready` is set by _started, which sets the store, or once record() raised.
+        assert self.store is not None
+        return self.store
 
     def finish(self, timeout: float | None = None) -> None:
         """Stop, wait (at most `timeout` on an error path) and raise what the thread raised."""

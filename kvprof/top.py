@@ -51,14 +51,14 @@ def run_live(opts: RecordOptions, interval_s: float = 0.5, window_s: float | Non
     log = log or (lambda line: print(line, file=sys.stderr))
     errors: list[BaseException] = []
 
-    def work() -> None:
+    def work(job: Callable[[BackgroundRecorder], None]) -> None:
         try:
-            beside(rec)
+            job(rec)
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
             errors.append(e)
 
     rec = BackgroundRecorder(opts)
-    rec.start()
+    store = rec.start()
     if opts.drop_privileges:
         # The recorder's thread dropped them once attached, before it started any other;
         # this one, the dashboard's, needs none at all.
@@ -72,15 +72,15 @@ def run_live(opts: RecordOptions, interval_s: float = 0.5, window_s: float | Non
         if held:
             rec.log.append(f"kvprof: threads started before attaching keep privileges: "
                            f"{', '.join(held)}")
-    worker = (threading.Thread(target=work, name="kvprof-live-work", daemon=True)
+    worker = (threading.Thread(target=work, args=(beside,), name="kvprof-live-work", daemon=True)
               if beside is not None else None)
     try:
-        cur = rec.store.con.cursor()
+        cur = store.con.cursor()
         info = session_info(cur)
         cur.close()
         clock = Clock(info.start_ns, None, playing=True)
-        app = KvprofTop(Reader(rec.store.con), clock, name=name, interval_s=interval_s,
-                        window_s=window_s, export_dir=Path(rec.store.directory) / "parquet")
+        app = KvprofTop(Reader(store.con), clock, name=name, interval_s=interval_s,
+                        window_s=window_s, export_dir=Path(store.directory) / "parquet")
         # A frame as each flush lands (every 0.25 s): on a loaded machine a frame on the
         # feed's own tick came up to a tick late, past a second after the I/O.
         rec.on_flush = app.feed.wake

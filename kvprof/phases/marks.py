@@ -172,7 +172,8 @@ class WindowBuilder:
 
     def __init__(self) -> None:
         self.rows: list[dict] = []
-        self.open: dict[tuple[str, str], Mark] = {}
+        # Each engine's current phase: since when, and the mark (a transition) that began it.
+        self.open: dict[tuple[str, str], tuple[int, Mark]] = {}
         self.out_of_order = 0
         self.dropped = 0  # past MAX_ENGINES or MAX_PENDING
 
@@ -197,25 +198,26 @@ class WindowBuilder:
             return False
         prev = self.open.get(key)
         if prev is not None:
-            if m.ts_ns < prev.ts_ns:  # type: ignore[operator]
+            since, began = prev
+            if m.ts_ns < since:
                 self.out_of_order += 1
                 return False
-            if m.ts_ns > prev.ts_ns:  # type: ignore[operator]
-                self.rows.append(self._row(prev, prev.ts_ns, m.ts_ns))  # type: ignore[arg-type]
+            if m.ts_ns > since:
+                self.rows.append(self._row(began, since, m.ts_ns))
             del self.open[key]
         if m.phase != "idle":
-            self.open[key] = m
+            self.open[key] = (m.ts_ns, m)
         return True
 
     def open_rows(self, now_ns: int) -> list[dict]:
         """The open windows as rows ending now (not consumed: they go on)."""
-        return [self._row(m, m.ts_ns, now_ns) for m in self.open.values()
-                if now_ns > m.ts_ns]  # type: ignore[operator]
+        return [self._row(m, since, now_ns) for since, m in self.open.values()
+                if now_ns > since]
 
     def close_all(self, end_ns: int) -> None:
-        for m in self.open.values():
-            if end_ns > m.ts_ns:  # type: ignore[operator]
-                self.rows.append(self._row(m, m.ts_ns, end_ns))  # type: ignore[arg-type]
+        for since, m in self.open.values():
+            if end_ns > since:
+                self.rows.append(self._row(m, since, end_ns))
         self.open.clear()
 
     def take(self) -> pa.Table | None:
@@ -366,6 +368,11 @@ class MarkServer:
                     "marks_refused": self.refused, "marks_dropped": self.builder.dropped,
                     "marks_undelivered": self.senders.lost(),
                     "marks_unsent": self.senders.unsent()}
+
+    @property
+    def stopping(self) -> bool:
+        """Whether stop() has been called (its windows are closed once, as a phase source's)."""
+        return self._stop.is_set()
 
     def stop(self, end_ns: int) -> None:
         """Stop listening and close every open window at end_ns."""
