@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import cast
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +41,7 @@ from kvprof.summary import (
     LAYERS,
     MAIN_OPS,
     MainOp,
+    BlockLayer,
     Capacity,
     CacheOp,
     CacheStats,
@@ -48,13 +50,17 @@ from kvprof.summary import (
     DeviceIdle,
     Engine,
     Exact,
+    GdsLayer,
+    LayerOps,
     OpCapacity,
     OpStats,
     PhaseEngine,
     PhaseStats,
+    Process,
     Quantiles,
     Sampling,
     Summary,
+    SyscallLayer,
     Writeback,
 )
 
@@ -73,7 +79,7 @@ def split_mixed(windows: pa.Table) -> pa.Table:
     its prefill chunk before its decode tokens' turn). I/O in it then follows the cut by its
     issue time, like any other. Mixed windows without counts stay mixed."""
     cols = {c: windows[c].to_pylist() for c in windows.column_names}
-    out: dict[str, list] = {c: [] for c in cols}
+    out: dict[str, list[Any]] = {c: [] for c in cols}
     for i, phase in enumerate(cols["phase"]):
         pre = cols["prefill_tokens"][i] or 0 if "prefill_tokens" in cols else 0
         dec = cols["decode_tokens"][i] or 0 if "decode_tokens" in cols else 0
@@ -123,7 +129,7 @@ def _no_quantiles() -> Quantiles:
     return {"p50": None, "p90": None, "p99": None, "p999": None}
 
 
-def _quantiles(values) -> Quantiles:
+def _quantiles(values: Sequence[Any]) -> Quantiles:
     """schema.QUANTILES' values in order, as the report's quantiles."""
     p50, p90, p99, p999 = (None if v is None else float(v) for v in values)
     return {"p50": p50, "p90": p90, "p99": p99, "p999": p999}
@@ -205,19 +211,20 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
         block_idle, devices = idle[p]
         if cap is not None and len(devices) == 1:
             devices = {d: {**v, "capacity_idle_pct": cap[1]} for d, v in devices.items()}
+        # A layer is its operations (read and write always: _layer_ops) and its own figures.
+        layer = ops[p]
         phases[p] = {
             "time_s": times[p],
             "time_share_pct": 100.0 * times[p] / total_s if total_s > 0 else 0.0,
             "windows": int((wp == p).sum()),
-            "block": {**ops[p]["block"], "time_idle_pct": block_idle,  # type: ignore[typeddict-item]
-                      "devices": devices,
-                      "capacity_idle_pct": None if cap is None else cap[1],
-                      "capacity": None if cap is None else cap[0]},
-            "io_uring": ops[p]["io_uring"],  # type: ignore[typeddict-item]
-            "syscall": {**ops[p]["syscall"],  # type: ignore[typeddict-item]
-                        "page_cache_hit_pct": hits[p]},
-            "tcp": ops[p]["tcp"],  # type: ignore[typeddict-item]
-            "gds": {**ops[p]["gds"], "probes": probes[p]},  # type: ignore[typeddict-item]
+            "block": cast(BlockLayer, {
+                **layer["block"], "time_idle_pct": block_idle, "devices": devices,
+                "capacity_idle_pct": None if cap is None else cap[1],
+                "capacity": None if cap is None else cap[0]}),
+            "io_uring": cast(LayerOps, layer["io_uring"]),
+            "syscall": cast(SyscallLayer, {**layer["syscall"], "page_cache_hit_pct": hits[p]}),
+            "tcp": cast(LayerOps, layer["tcp"]),
+            "gds": cast(GdsLayer, {**layer["gds"], "probes": probes[p]}),
             "caches": caches[p],
             "writeback": writeback[p],
             "engine": phase_engine[p],
@@ -248,7 +255,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             # --event-rate): 1 in up to max_one_in requests kept; their counts, rates and
             # idle are then the exact section's, percentiles the sample's when `uniform`.
             "event_sampling": sampling,
-            "processes": rows.processes(),  # type: ignore[typeddict-item]
+            "processes": cast(list[Process], rows.processes()),
             # "split": mixed windows with token counts cut into prefill and decode.
             "mixed": mixed,
         },
@@ -279,7 +286,7 @@ def _layer_ops(stats: list[StatRow], times: dict[str, float]) -> LayerOpsByPhase
     return out
 
 
-def _bucket_dict(hist) -> dict[str, int]:
+def _bucket_dict(hist: dict[Any, Any] | None) -> dict[str, int]:
     return {str(int(b)): int(n) for b, n in sorted(dict(hist or {}).items())}
 
 
@@ -320,9 +327,10 @@ def _exact(rows: RowSource, times: dict[str, float], pieces: Pieces, view: ViewF
     if got is None:
         return None
     agg, busy = got
-    out: dict = {"phases": {p: {**{layer: {} for layer in schema.DEVICE_LAYERS}, "devices": {}}
-                            for p in schema.PHASES}, "totals": {}}  # an Exact, being built
-    sums: dict[tuple[str, str, str], list] = {}
+    out: dict[str, Any] = {  # an Exact, being built
+        "phases": {p: {**{layer: {} for layer in schema.DEVICE_LAYERS}, "devices": {}}
+                   for p in schema.PHASES}, "totals": {}}
+    sums: dict[tuple[str, str, str], list[Any]] = {}
     edge: dict[str, int] | None = None
     for a in agg:
         if a.cut is not None:
@@ -370,7 +378,8 @@ def _exact(rows: RowSource, times: dict[str, float], pieces: Pieces, view: ViewF
 
 
 def _ops_from_exact(ops: LayerOpsByPhase, exact: Exact, times: dict[str, float],
-                    sampling: Sampling | None, weighted: dict) -> LayerOpsByPhase:
+                    sampling: Sampling | None, weighted: dict[tuple[str, str, str], Any]
+                    ) -> LayerOpsByPhase:
     """A span whose device-layer events are missing (--no-events) or sampled: the device
     layers' per-phase counts, rates and sizes from the aggregate tier. Percentiles are
     the sample's (`weighted`: estimated with each row's weight where the rate changed), null
@@ -379,13 +388,13 @@ def _ops_from_exact(ops: LayerOpsByPhase, exact: Exact, times: dict[str, float],
     keep = sampling is not None and sampling["uniform"]
     out = {p: dict(layers) for p, layers in ops.items()}
     for p in schema.PHASES:
-        for layer in schema.DEVICE_LAYERS:
+        for layer in DEVICE_LAYERS:
             by_op = out[p][layer] = dict(out[p][layer])
-            for op, e in exact["phases"][p][layer].items():  # type: ignore[literal-required]
+            for op, e in exact["phases"][p][layer].items():
                 entry = _op_entry(e["bytes"], e["ios"], times[p])
                 if keep and op in by_op:
                     for k in ("latency_us", "queue_us", "device_us"):
-                        entry[k] = by_op[op][k]  # type: ignore[literal-required]
+                        entry[k] = by_op[op][k]
                 elif weighted and (p, layer, op) in weighted:
                     lat, queue, dev = weighted[(p, layer, op)]
                     entry["latency_us"] = _quantiles(lat)
@@ -408,7 +417,7 @@ def _idle_from_exact(idle: IdleByPhase, exact: Exact) -> IdleByPhase:
     out: IdleByPhase = {}
     for p in schema.PHASES:
         overall, devices = idle[p]
-        devices = {d: dict(v) for d, v in devices.items()}  # type: ignore[misc]
+        devices = {d: DeviceIdle(**v) for d, v in devices.items()}  # (copies)
         for dev, d in exact["phases"][p]["devices"].items():
             devices.setdefault(dev, {"time_idle_pct": None})["time_idle_pct"] = \
                 d["time_idle_pct"]
@@ -420,7 +429,7 @@ def _idle_from_exact(idle: IdleByPhase, exact: Exact) -> IdleByPhase:
     return out
 
 
-def _capacity(ops: LayerOpsByPhase, times: dict[str, float], devices: list[dict]
+def _capacity(ops: LayerOpsByPhase, times: dict[str, float], devices: list[dict[str, Any]]
               ) -> dict[str, tuple[Capacity, float] | None]:
     """Per phase, the share of the devices' calibrated capability (`kvprof calibrate`) the
     phase left unused (`block.capacity_idle_pct`, beside time idle) and how it was reached
@@ -586,7 +595,8 @@ def _hit_pct(app_bytes: int, device_bytes: int) -> float | None:
     return 100.0 * max(0.0, 1 - device_bytes / app_bytes) if app_bytes > 0 else None
 
 
-def _idle(ws, we, wp, devices: list[str], islands_of: IslandsOf) -> IdleByPhase:
+def _idle(ws: np.ndarray, we: np.ndarray, wp: np.ndarray, devices: list[str],
+          islands_of: IslandsOf) -> IdleByPhase:
     """Per phase, the share of its time with no block request in flight: on all traced
     devices together and per device. In flight = from insert (or issue, when the request
     skipped the queue) to completion, the span the kernel's io_ticks also covers."""
@@ -615,11 +625,11 @@ class Frame:
     t1: int
     summary: Summary  # the report of exactly [t0, t1) and the view
     # phase -> {"layer": the device layer, "read"/"write": (now, mean, peak) bytes/s}
-    rates: dict[str, dict]
+    rates: dict[str, dict[str, Any]]
     bin_ns: int
     # (bin start, the phase covering most of it or None outside the session, bytes)
     timeline: list[tuple[int, str | None, int]]
-    gpu: dict | None  # GPU means over the window, None with `gpu_note` saying why
+    gpu: dict[str, Any] | None  # GPU means over the window, None with `gpu_note` saying why
     gpu_note: str
     recent: int  # I/O issued in the last second of the window
     devices: list[str]  # the traced devices and every device of the window
@@ -682,7 +692,7 @@ def frame(rows: RowSource, window_s: float | None, now_ns: int,
                  devices, processes, len(windows))
 
 
-def timeline(rows: RowSource, nbins: int = 200, mixed: str = "apart") -> dict:
+def timeline(rows: RowSource, nbins: int = 200, mixed: str = "apart") -> dict[str, Any]:
     """The whole session over time, for the visual report: `nbins` bins from its start, each
     with the phase covering most of it, per phase the device layers' requests and bytes
     issued in it (as the report attributes them: summed over the bins, they are the report's
@@ -695,7 +705,7 @@ def timeline(rows: RowSource, nbins: int = 200, mixed: str = "apart") -> dict:
     ws, we, wp = flatten(split_mixed(windows) if mixed == "split" else windows, t0, t1)
     covered = _phase_time(ws, we, wp, edges)
     stacked = np.vstack([covered[p] for p in schema.PHASES])
-    series: dict = {}
+    series: dict[str, Any] = {}
     for b, p, layer, op, ios, nbytes in rows.bins(Pieces(ws, we, wp, t0, t1, t0, True), bin_ns,
                                                   nbins):
         s = series.setdefault(f"{p}.{layer}.{op}", {"phase": p, "layer": layer, "op": op,
@@ -710,19 +720,21 @@ def timeline(rows: RowSource, nbins: int = 200, mixed: str = "apart") -> dict:
             "series": series, "gpu": gpu if any(v is not None for v in gpu["util_pct"]) else None}
 
 
-def _phase_time(ws, we, wp, edges: np.ndarray) -> dict[str, np.ndarray]:
+def _phase_time(ws: np.ndarray, we: np.ndarray, wp: np.ndarray, edges: np.ndarray
+                ) -> dict[str, np.ndarray]:
     """Phase -> ns of that phase inside each bin; one phase's pieces are disjoint islands."""
     return {p: busy_between(ws[wp == p], we[wp == p], edges[:-1], edges[1:])
             for p in schema.PHASES}
 
 
-def _rates(p: str, ph: PhaseStats, cell_bytes: dict, ptime: np.ndarray) -> dict:
+def _rates(p: str, ph: PhaseStats, cell_bytes: dict[tuple[str, str, str], np.ndarray],
+           ptime: np.ndarray) -> dict[str, Any]:
     """Bytes/s of the phase's device layer: in its latest second, over the window (the
     report's bandwidth), and its best second."""
     layer = phase_layer(ph)
     # A phase shorter than the bar (a 25 ms prefill) still gets a rate from its longest bins.
     ok = (ptime > 0) & (ptime >= min(MIN_BIN_SHARE * GRID_NS, 0.5 * ptime.max()))
-    out: dict = {"layer": layer}
+    out: dict[str, Any] = {"layer": layer}
     for op in MAIN_OPS:
         mean = ph[layer][op]["bandwidth_bytes_per_s"]
         nbytes = cell_bytes.get((p, layer, op))
@@ -739,7 +751,7 @@ GPU_FIELDS = ("util_pct", "mem_util_pct", "sm_active_pct", "power_w", "pcie_rx_b
               "pcie_tx_bytes_per_s")
 
 
-def gpu_means(rows: RowSource, t0: int, t1: int) -> tuple[dict | None, str]:
+def gpu_means(rows: RowSource, t0: int, t1: int) -> tuple[dict[str, Any] | None, str]:
     """Means of the GPU samples in [t0, t1) (a field a GPU does not support is left out, not
     counted as zero), or None and why there are none."""
     row = rows.gpu(t0, t1)

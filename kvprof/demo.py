@@ -92,13 +92,13 @@ def run_demo(seconds: float = 6.0, out: str | None = None, tui: bool = False, *,
 def _record_demo(session: Path, seconds: float, tui: bool = False) -> None:
     """Sandbox and recorder up; the workload; everything down again, whatever happens."""
     with sandbox(BACKING_BYTES) as box:
+        marks = str(box.work / "marks.sock")
         opts = RecordOptions(out=str(session), devices=[box.disk.device],
-                             cgroups=[box.cgroup] if box.cgroup else [],
-                             socket=str(box.work / "marks.sock"))
+                             cgroups=[box.cgroup] if box.cgroup else [], socket=marks)
         announce = (f"kvprof demo: recording {seconds:g} s of KV-offload rounds (prefill "
                     f"writes, decode reads) on {box.disk.device} ({box.disk.kind}); "
                     "Ctrl-C ends early")
-        work = partial(_run_workload, _KVStore(box.disk), opts.socket, seconds)
+        work = partial(_run_workload, _KVStore(box.disk), marks, seconds)
         if not tui:
             rec = BackgroundRecorder(opts)
             box.defer("stop the recorder", lambda: rec.finish(ATTACH_TIMEOUT_S))

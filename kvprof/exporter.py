@@ -82,7 +82,7 @@ class Exporter:
         self._lost: dict[str, int] = {}
         self._settled: dict[str, int] = {p: 0 for p in schema.PHASES}  # phase time folded
         self.settled_ns = time.monotonic_ns()  # ... up to here
-        self.server = None
+        self.server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
 
@@ -97,13 +97,14 @@ class Exporter:
             family, _, _, _, sockaddr = socket.getaddrinfo(
                 addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
             server = type("_Server", (_Server,), {"address_family": family})
-            self.server = make_server(sockaddr[0], port, make_wsgi_app(registry), server,
+            self.server = make_server(str(sockaddr[0]), port, make_wsgi_app(registry), server,
                                       handler_class=_Quiet)
         except OSError as e:
             raise KvprofError(f"--prometheus {listen}: {e.strerror}", EX_USAGE) from None
         self.port = self.server.server_port
 
     def start(self) -> None:
+        assert self.server is not None  # bind() made it or raised
         self._thread = threading.Thread(target=self.server.serve_forever,
                                         name="kvprof-prometheus", daemon=True)
         self._thread.start()
@@ -226,7 +227,7 @@ class Exporter:
         yield info
 
 
-def _buckets(hist: list[int], total: int) -> list[tuple[str, float]]:
+def _buckets(hist: list[int], total: int) -> list[tuple[str, int]]:
     """Cumulative (le, count) pairs from log2 slots: slot i counts values below 2^i ns."""
     out, cum = [], 0
     for i, n in enumerate(hist):

@@ -51,7 +51,9 @@ def flatten(windows: pa.Table, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray
     ]
     rows.sort(key=lambda r: r[0])
     bounds = sorted({t0, t1, *(r[0] for r in rows), *(r[1] for r in rows)})
-    starts, ends, phases = [], [], []
+    starts: list[int] = []
+    ends: list[int] = []
+    phases: list[str] = []
     heap: list = []  # (-rank, -start, end, phase): best covering window on top
     i = 0
     for a, b in zip(bounds, bounds[1:]):
@@ -125,7 +127,7 @@ def _fold_agg(agg: np.ndarray, pieces: Pieces, device) -> pa.RecordBatch:
     for r in np.flatnonzero(boundary):
         # Most of the span between the slot's first and last issue (ties: the earlier).
         ov = pieces.overlaps(int(lo[r]), int(hi[r]) + 1)
-        phase[r] = max(ov, key=ov.get)
+        phase[r] = max(ov, key=lambda p: ov[p])
     codes = np.array([schema.PHASES.index(p) for p in phase], np.int64)
     key = np.stack([agg["sec"].astype(np.int64), codes, agg["layer"].astype(np.int64),
                     agg["op"].astype(np.int64), agg["dev"].astype(np.int64),
@@ -191,17 +193,17 @@ def _fold_busy(busy: np.ndarray, pieces: Pieces, device) -> pa.RecordBatch:
                 share = ns - given if i == len(ov) - 1 else ns * part // span
                 given += share
                 parts.append((int(base[r]) // NS_PER_S, p, share))
-        for sec, p, v in parts:
-            secs.append(np.array([sec]))
+        for s, p, v in parts:
+            secs.append(np.array([s]))
             phases.append(np.array([p], object))
             devs.append(np.array([dev]))
             nss.append(np.array([v]))
-    sec, phase = np.concatenate(secs), np.concatenate(phases)
-    dev, ns = np.concatenate(devs), np.concatenate(nss)
-    codes = np.array([schema.PHASES.index(p) for p in phase], np.int64)
-    uniq, inv = np.unique(np.stack([sec, codes, dev], axis=1), axis=0, return_inverse=True)
+    sec_a, phase_a = np.concatenate(secs), np.concatenate(phases)
+    dev_a, ns_a = np.concatenate(devs), np.concatenate(nss)
+    codes = np.array([schema.PHASES.index(p) for p in phase_a], np.int64)
+    uniq, inv = np.unique(np.stack([sec_a, codes, dev_a], axis=1), axis=0, return_inverse=True)
     total = np.zeros(len(uniq), np.uint64)
-    np.add.at(total, inv.reshape(-1), ns.astype(np.uint64))
+    np.add.at(total, inv.reshape(-1), ns_a.astype(np.uint64))
     keep = total > 0
     uniq, total = uniq[keep], total[keep]
     cols = {

@@ -121,12 +121,14 @@ class Rollup:
         last one on forever, as the whole-session report counts every row."""
         self._gen += 1
         issue = self.cache.col("issue")
-        cuts = sorted(cuts)
-        seg_s, seg_e, seg_p = [], [], []
+        cut_at = sorted(cuts)
+        seg_s: list[int] = []
+        seg_e: list[int] = []
+        seg_p: list[str] = []
         for s, e, p in zip(ws.tolist(), we.tolist(), wp.tolist()):
             first = origin + (s - origin) // GRID_NS * GRID_NS
             edges = sorted({s, *range(first + GRID_NS, e, GRID_NS), e,
-                            *(c for c in cuts if s < c < e)})
+                            *(c for c in cut_at if s < c < e)})
             seg_s += edges[:-1]
             seg_e += edges[1:]
             seg_p += [p] * (len(edges) - 1)
@@ -135,7 +137,7 @@ class Rollup:
         starts = np.array(seg_s, np.int64)
         ends = np.array(seg_e, np.int64)
         cells = ((starts - origin) // GRID_NS).tolist()
-        sides = np.searchsorted(np.array(cuts, np.int64), starts, side="right").tolist()
+        sides = np.searchsorted(np.array(cut_at, np.int64), starts, side="right").tolist()
         if unbounded:
             starts[0], ends[-1] = _MIN, _MAX
         i0 = np.searchsorted(issue, starts, side="left").tolist()
@@ -143,8 +145,8 @@ class Rollup:
         # One unit per (grid second, side of the cuts, phase): however many windows an
         # engine marks per second, a second holds at most one unit per phase.
         groups: dict[tuple, list[int]] = {}
-        for i, key in enumerate(zip(cells, sides, seg_p)):
-            groups.setdefault(key, []).append(i)
+        for i, group in enumerate(zip(cells, sides, seg_p)):
+            groups.setdefault(group, []).append(i)
         out = []
         for (c, _, p), idx in groups.items():
             segs = tuple((int(starts[i]), int(ends[i])) for i in idx)

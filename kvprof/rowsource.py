@@ -174,7 +174,7 @@ class RowSource:
         raise NotImplementedError
 
     def weighted_quantiles(self, pieces: Pieces, view: ViewFilter
-                           ) -> dict[tuple[str, str, str], tuple[list, list, list]]:
+                           ) -> dict[tuple[str, str, str], tuple[list[float | None], ...]]:
         """Per (phase, device layer, op), total, queue and device time quantiles in µs with
         each row weighed by its sample_weight: for spans the event tier sampled at more than
         one rate. Estimates from 1/WEIGHTED_STEPS-octave buckets (within 2.2 %)."""
@@ -261,7 +261,8 @@ class RowSource:
 
 def _where(view: ViewFilter, prefix: str = "") -> tuple[str, list]:
     """Conditions (joined by AND, or empty) and their parameters for the view's filter."""
-    conds, params = [], []
+    conds: list[str] = []
+    params: list = []
     if view.device is not None:
         conds.append(f"{prefix}dev_name = ?")
         params.append(view.device)
@@ -339,7 +340,8 @@ class SqlRows(RowSource):
 
     def aggregate(self, t0: int, t1: int, whole: bool, device: str | None
                   ) -> tuple[list[AggRow], list[BusyRow]] | None:
-        conds, params = [], []
+        conds: list[str] = []
+        params: list = []
         if not whole:
             # Whole seconds: a second belongs to the range its start lies in.
             conds.append("ts_ns >= ? AND ts_ns < ?")
@@ -458,7 +460,7 @@ class SqlRows(RowSource):
         return PerPhase(named(StatRow, stats), islands_of, present)
 
     def weighted_quantiles(self, pieces: Pieces, view: ViewFilter
-                           ) -> dict[tuple[str, str, str], tuple[list, list, list]]:
+                           ) -> dict[tuple[str, str, str], tuple[list[float | None], ...]]:
         if "sample_weight" in missing_columns(self.cur, "io"):
             return {}
         cond, params = _in_view(pieces, view)
@@ -480,7 +482,8 @@ class SqlRows(RowSource):
             hists = acc.setdefault((phase, layer, op), [{}, {}, {}])
             for h, b in zip(hists, (bt, bq, bd)):
                 h[b] = h.get(b, 0) + int(w)
-        return {k: tuple(_weighted_q(h) for h in hists) for k, hists in acc.items()}
+        return {k: (_weighted_q(t), _weighted_q(q), _weighted_q(d))
+                for k, (t, q, d) in acc.items()}
 
     def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[CacheRow]:
         if "cache" in missing_columns(self.cur, "io"):
@@ -690,7 +693,7 @@ class LiveRows(RowSource):
         return self.sql.phase_tokens(t0, t1)
 
     def weighted_quantiles(self, pieces: Pieces, view: ViewFilter
-                           ) -> dict[tuple[str, str, str], tuple[list, list, list]]:
+                           ) -> dict[tuple[str, str, str], tuple[list[float | None], ...]]:
         return self.sql.weighted_quantiles(pieces, view)
 
     def per_cache(self, pieces: Pieces, view: ViewFilter) -> list[CacheRow]:
@@ -732,18 +735,18 @@ class LiveRows(RowSource):
         (the cache holds every row that can reach into the window)."""
         cache = self.cache
         if view.tgid is None:
-            def islands_of(device: str | None) -> Islands:
+            def kept(device: str | None) -> Islands:
                 if device is None or view.device is None or device == view.device:
                     return cache.islands(device if device is not None else view.device)
                 return np.empty(0, np.int64), np.empty(0, np.int64)
-            return islands_of
+            return kept
         rows = cache.slice(0, len(cache), view.device, view.tgid)
         block = rows.layer == rollup.BLOCK
 
-        def islands_of(device: str | None) -> Islands:
+        def of_process(device: str | None) -> Islands:
             mine = block if device is None else block & (rows.dev == cache.device_code(device))
             return busy_islands_ordered(rows.start[mine], rows.complete[mine])
-        return islands_of
+        return of_process
 
     def over_time(self, pieces: Pieces, view: ViewFilter, c0: int, ncells: int,
                   edges: np.ndarray) -> OverTime:

@@ -230,7 +230,8 @@ def phase_windows(con: duckdb.DuckDBPyConnection, t0: int | None = None,
     """Closed windows plus those still open at the last flush (absent in older sessions);
     with bounds, only those reaching into [t0, t1): a live view need not read, every frame,
     the thousands of windows an engine marks per minute."""
-    where = "" if t0 is None else f" WHERE end_ns > {int(t0)} AND start_ns < {int(t1)}"
+    where = ("" if t0 is None or t1 is None
+             else f" WHERE end_ns > {int(t0)} AND start_ns < {int(t1)}")
     query = ("SELECT start_ns, end_ns, phase, source, prefill_tokens, decode_tokens FROM {}"
              + where)
     try:

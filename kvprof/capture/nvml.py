@@ -198,14 +198,16 @@ class NvmlSampler:
             return gpu.gpm_values
         prev, cur = gpu.samples
         if self._query(self._nv.nvmlGpmSampleGet, gpu.handle, cur) is None:
-            return self._give_up_gpm(gpu)
+            self._give_up_gpm(gpu)
+            return None
         # Stamped once the sample is surely taken: a thread held up between the poll's stamp
         # and the call would otherwise let the next window come out under 100 ms (NaN).
         taken_ns = time.monotonic_ns()
         if gpu.prev_gpm_ns is not None:
             gpu.gpm_values = self._gpm_window(prev, cur)
             if gpu.gpm_values is None:
-                return self._give_up_gpm(gpu)
+                self._give_up_gpm(gpu)
+                return None
         gpu.samples = [cur, prev]
         gpu.prev_gpm_ns = taken_ns
         return gpu.gpm_values

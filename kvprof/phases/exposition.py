@@ -51,6 +51,7 @@ def _quoted(line: str, pos: int) -> tuple[str, int]:
     pos += 1
     while True:
         m = _PLAIN.match(line, pos)
+        assert m is not None  # _PLAIN matches the empty string too
         parts.append(m.group())
         pos = m.end()
         if pos >= len(line):

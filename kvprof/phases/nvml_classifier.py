@@ -148,7 +148,8 @@ class WindowTracker:
         if st.last_ts is not None and ts <= st.last_ts:
             return closed  # out of order or repeated: it describes no new time
         contiguous = st.last_ts is not None and ts - st.last_ts <= self.config.max_gap_ns
-        span_start = st.last_ts if contiguous else ts - self.config.first_span_ns
+        span_start = (st.last_ts if contiguous and st.last_ts is not None
+                      else ts - self.config.first_span_ns)
         st.last_ts = ts
         verdict = label(row, self.config, st.power)
         phase, confidence = verdict if verdict is not None else (IDLE, 0.0)

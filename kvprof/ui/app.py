@@ -253,7 +253,7 @@ class HelpScreen(ModalScreen):
 
     def compose(self) -> ComposeResult:
         lines = ["kvprof top — keys", ""]
-        for b in KvprofTop.BINDINGS:
+        for b in KvprofTop.KEYS:
             lines.append(f"  {b.key_display or b.key:<12} {b.description}")
         lines += ["", "Numbers are per phase over the window; bandwidth = bytes ÷ phase time.",
                   "The same actions are in the command palette (ctrl+p).", "Esc closes."]
@@ -266,7 +266,8 @@ class KvprofTop(App):
     Screen { layout: vertical; }
     #panels { height: 1fr; min-height: 10; }
     """
-    BINDINGS = [
+    # (All Binding objects, which the help screen and the palette read.)
+    KEYS = [
         Binding("space", "pause", "Pause", key_display="space"),
         Binding("w", "window", "Window"),
         Binding("d", "device", "Device"),
@@ -279,6 +280,7 @@ class KvprofTop(App):
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit"),
     ]
+    BINDINGS = list(KEYS)
 
     def __init__(self, session: Reader, clock: Clock, *, name: str = "",
                  export_dir: str | Path | None = None, interval_s: float = 0.5,
@@ -289,12 +291,15 @@ class KvprofTop(App):
         self.snapshot: Snapshot | None = None
         self.request = ViewRequest(window_s=window_s)
         self.feed = SnapshotFeed(session, clock, deliver=self.post_message_snapshot,
-                                 on_error=lambda e: self.post_message(FeedError(e)),
+                                 on_error=lambda e: self._post(FeedError(e)),
                                  interval_s=interval_s, request=self.request)
 
     # Called on the feed thread: post_message is the thread-safe way into the app.
     def post_message_snapshot(self, snap: Snapshot) -> None:
         self.post_message(SnapshotReady(snap))
+
+    def _post(self, message: Message) -> None:
+        self.post_message(message)  # (its "was it queued" is of no use to the feed)
 
     def compose(self) -> ComposeResult:
         yield HeaderBar(id="header")
@@ -402,7 +407,7 @@ class KvprofTop(App):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        for b in self.BINDINGS:
+        for b in self.KEYS:
             action = b.action
             yield SystemCommand(f"{b.description} ({b.key_display or b.key})",
                                 f"kvprof top: {b.description.lower()}",
