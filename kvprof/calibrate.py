@@ -1,4 +1,5 @@
-"""`kvprof calibrate`: what a device can do for the access patterns of prefill and decode.
+"""`kvprof calibrate`: measure what a device can do for the access patterns of prefill and
+decode (the patterns and the stored results: kvprof/calibration.py).
 
 Prefill writes KV cache in large sequential chunks (bandwidth); decode reads small pieces at
 random (IOPS and latency); engines' thread pools use plain pread/pwrite, io_uring users queue
@@ -30,120 +31,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvprof.calibration import (
+    BY_NAME,
+    MIB,
+    PATTERNS,
+    VERSION,
+    Pattern,
+    identity,
+    read_attr,
+    sysfs_dir,
+)
 from kvprof.devices import Device, by_number, resolve
 from kvprof.errors import EX_DATAERR, EX_NOPERM, EX_UNAVAILABLE, EX_USAGE, KvprofError
-
-VERSION = 1
-MIB = 1 << 20
-
-
-@dataclass(frozen=True)
-class Pattern:
-    name: str
-    label: str
-    rw: str  # fio's --rw
-    bs: int
-    iodepth: int
-    engine: str  # fio's --ioengine
-
-    @property
-    def op(self) -> str:
-        return "write" if "write" in self.rw else "read"
-
-
-PATTERNS = (
-    Pattern("seq_write_1m", "1 MiB sequential writes, io_uring QD8 (prefill storing KV)",
-            "write", MIB, 8, "io_uring"),
-    Pattern("seq_read_1m", "1 MiB sequential reads, io_uring QD8 (reloading a prefix)",
-            "read", MIB, 8, "io_uring"),
-    Pattern("rand_read_4k_qd1", "4 KiB random reads, io_uring QD1 (decode, one at a time)",
-            "randread", 4096, 1, "io_uring"),
-    Pattern("rand_read_4k_qd32", "4 KiB random reads, io_uring QD32 (decode, queued deep)",
-            "randread", 4096, 32, "io_uring"),
-    Pattern("rand_write_4k_qd32", "4 KiB random writes, io_uring QD32", "randwrite", 4096, 32,
-            "io_uring"),
-    Pattern("psync_seq_write_1m", "1 MiB sequential pwrite, QD1 (thread-pool offload)",
-            "write", MIB, 1, "psync"),
-    Pattern("psync_rand_read_4k", "4 KiB random pread, QD1 (thread-pool offload)",
-            "randread", 4096, 1, "psync"),
-)
-BY_NAME = {p.name: p for p in PATTERNS}
-# Per op, the patterns that bound what a phase can get: its bandwidth and its IOPS.
-LIMITS = {"write": ("seq_write_1m", "rand_write_4k_qd32"),
-          "read": ("seq_read_1m", "rand_read_4k_qd32")}
-
-
-def default_store() -> Path:
-    """Where calibrations are kept: $KVPROF_CALIBRATION_DIR, else a system directory for root
-    (the recorder runs as root) and the user's data directory otherwise."""
-    env = os.environ.get("KVPROF_CALIBRATION_DIR")
-    if env:
-        return Path(env)
-    if os.geteuid() == 0:
-        return Path("/var/lib/kvprof/calibration")
-    return Path.home() / ".local/share/kvprof/calibration"
-
-
-def _sysfs(dev: Device) -> Path:
-    return Path("/sys/class/block") / dev.name
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text().strip()
-    except OSError:
-        return ""
-
-
-def identity(dev: Device) -> dict:
-    """The device's name, numbers and, where the kernel knows them, model and serial (a
-    partition: its disk's); `key` names it across reboots and renumbering."""
-    sys_dev = _sysfs(dev)
-    disk = sys_dev.resolve().parent if (sys_dev / "partition").exists() else sys_dev.resolve()
-    model = _read(disk / "device/model")
-    serial = _read(disk / "device/serial") or _read(disk / "serial") or _read(disk / "wwid")
-    backing = _read(disk / "loop/backing_file")
-    if model or serial:
-        key = " ".join(x for x in (model, serial) if x)
-        if disk != sys_dev.resolve():
-            key += f" part{_read(sys_dev / 'partition')}"
-    elif backing:
-        key = f"loop {backing}"
-    else:
-        key = dev.name
-    size = int(_read(sys_dev / "size") or 0) * 512
-    return {"name": dev.name, "major": dev.major, "minor": dev.minor, "model": model,
-            "serial": serial, "key": key, "size_bytes": size,
-            "rotational": _read(disk / "queue/rotational") == "1"}
-
-
-def store_path(store: Path, key: str) -> Path:
-    return store / (re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("_") + ".json")
-
-
-def load(key: str, store: Path | None = None) -> dict | None:
-    """The stored calibration of the device named `key`, or None."""
-    path = store_path(store or default_store(), key)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and data.get("version") == VERSION else None
-
-
-def for_devices(devices: list[dict], store: Path | None = None) -> dict[str, dict]:
-    """Device name -> its calibration, for the devices (session rows' dicts) that have one."""
-    out = {}
-    for d in devices:
-        found = load(d["key"], store) if d.get("key") else None
-        if found is not None:
-            out[d["name"]] = found
-    return out
 
 
 def _diskstats(dev: Device) -> tuple[int, int, int, int]:
     """(reads, read sectors, writes, write sectors) completed, from /sys/block stat."""
-    f = _read(_sysfs(dev) / "stat").split()
+    f = read_attr(sysfs_dir(dev) / "stat").split()
     return int(f[0]), int(f[2]), int(f[4]), int(f[6])
 
 
@@ -165,10 +69,10 @@ def _holds_data(path: str) -> str | None:
 
 def _in_use(dev: Device) -> str | None:
     """Mounted, or held by another block device (LVM, md, dm-crypt)."""
-    sys_dev = _sysfs(dev)
+    sys_dev = sysfs_dir(dev)
     if any((sys_dev / "holders").iterdir()) if (sys_dev / "holders").exists() else False:
         return "it is held by another device (LVM, RAID or dm)"
-    for line in _read(Path("/proc/self/mountinfo")).splitlines():
+    for line in read_attr(Path("/proc/self/mountinfo")).splitlines():
         if line.split()[2:3] == [f"{dev.major}:{dev.minor}"]:
             return f"it is mounted on {line.split()[4]}"
     return None
@@ -190,7 +94,7 @@ def prepare(spec: str, size: int, force: bool) -> Target:
     if p.is_dir():
         st = os.stat(p)
         dev = by_number(os.major(st.st_dev), os.minor(st.st_dev)) if os.major(st.st_dev) else None
-        if dev is not None and not _sysfs(dev).exists():
+        if dev is not None and not sysfs_dir(dev).exists():
             dev = None  # a filesystem without a block device of its own (btrfs subvolume, nfs)
         free = shutil.disk_usage(p).free
         if free < size + 64 * MIB:
@@ -222,7 +126,7 @@ def prepare(spec: str, size: int, force: bool) -> Target:
     if why and not force:
         raise KvprofError(f"refusing to write to {path}: {why}", EX_USAGE,
                           hint="calibrate a directory on it, or pass --force to overwrite it")
-    dev_size = int(_read(_sysfs(dev) / "size") or 0) * 512
+    dev_size = int(read_attr(sysfs_dir(dev) / "size") or 0) * 512
     return Target(path, dev, min(size, dev_size), None)
 
 
@@ -342,21 +246,3 @@ def calibrate(spec: str, runtime_s: float = 5.0, size: int = 1 << 30, force: boo
             "target": spec, "host": socket.gethostname(), "when_wall_ns": time.time_ns(),
             "runtime_s": runtime_s, "size_bytes": target.size, "fio": version,
             "patterns": results}
-
-
-def save(result: dict, store: Path | None = None) -> Path | None:
-    """Keep the result for the device's later sessions (not for a target with no device);
-    patterns measured before and not in this run are kept."""
-    if not result.get("key"):
-        return None
-    store = store or default_store()
-    store.mkdir(parents=True, exist_ok=True)
-    path = store_path(store, result["key"])
-    kept = load(result["key"], store)
-    if kept is not None:
-        # A run of some patterns updates those and keeps the others measured before.
-        result = {**result, "patterns": {**kept["patterns"], **result["patterns"]}}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(path)
-    return path

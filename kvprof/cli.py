@@ -17,7 +17,7 @@ os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
 from kvprof import __version__  # noqa: E402 - after the environment above
 from kvprof import layers as layer_table
 from kvprof import phase_sources
-from kvprof.calibrate import BY_NAME as PATTERNS
+from kvprof.calibration import BY_NAME as PATTERNS
 from kvprof.errors import EX_NOPERM, EX_SOFTWARE, EX_USAGE, KvprofError
 
 EXAMPLES = """examples:
@@ -459,7 +459,7 @@ def cmd_mark(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from kvprof import calibrate
+    from kvprof import calibrate, calibration
 
     unknown = [n for n in args.pattern if n not in PATTERNS]
     if unknown:
@@ -469,7 +469,7 @@ def cmd_calibrate(args) -> int:
         raise KvprofError("--runtime must be positive", EX_USAGE)
     result = calibrate.calibrate(args.target, args.runtime, args.size, args.force,
                                  tuple(args.pattern))
-    path = calibrate.save(result)
+    path = calibration.save(result)
     if args.json:
         print(json.dumps(result, indent=2))
     print(f"kvprof: kept for {result['key']} in {path}" if path else

@@ -22,8 +22,9 @@ from typing import Any, cast
 import numpy as np
 import pyarrow as pa
 
-from kvprof import calibrate, schema
-from kvprof.fold import SLOT_NS, flatten
+from kvprof import calibration, schema
+from kvprof.fold import flatten
+from kvprof.schema import SLOT_NS
 from kvprof.intervals import busy_between
 from kvprof.rollup import GRID_NS
 from kvprof.rowsource import (
@@ -455,7 +456,7 @@ def _capacity(ops: LayerOpsByPhase, times: dict[str, float], devices: list[dict[
         by_op: dict[str, OpCapacity] = {}
         for op in MAIN_OPS:
             e = ops[p][layer][op]
-            bw_pattern, iops_pattern = calibrate.LIMITS[op]
+            bw_pattern, iops_pattern = calibration.LIMITS[op]
             limits = [(e["bandwidth_bytes_per_s"], bw_pattern, "bandwidth_bytes_per_s"),
                       (e["iops"], iops_pattern, "iops")]
             shares = []

@@ -20,23 +20,10 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import schema
+from kvprof.schema import AGG_SLOTS as HIST_SLOTS
+from kvprof.schema import AGG_ROW, BUSY_ROW, SLOT_NS
 
-SLOT_NS = 4_000_000  # KVPROF_SLOT_NS: a divisor of the second
 NS_PER_S = 1_000_000_000
-HIST_SLOTS = 40  # KVPROF_AGG_SLOTS
-
-# One aggregate slot row (capture/aggregate.py builds them from the map's keys and values).
-AGG_ROW = np.dtype([("slot", "<u8"), ("sec", "<u4"), ("dev", "<u4"), ("layer", "u1"),
-                    ("op", "u1"), ("ios", "<u8"), ("bytes", "<u8"), ("queue_ns", "<u8"),
-                    ("service_ns", "<u8"), ("first", "<u8"), ("last", "<u8"),
-                    ("size", "<u8", HIST_SLOTS), ("queue", "<u8", HIST_SLOTS),
-                    ("service", "<u8", HIST_SLOTS)])
-# `run` 0: pieces within the slot, between first and last (ns after its start); n > 0: one
-# stretch from the slot's start on for `ns`, over n slots.
-# `sec`: the second it was accounted in (completion second, for AGG_ROW), which says when it
-# may be folded for good.
-BUSY_ROW = np.dtype([("slot", "<u8"), ("sec", "<u4"), ("dev", "<u4"), ("run", "<u4"),
-                     ("ns", "<u8"), ("first", "<u8"), ("last", "<u8")])
 
 
 def flatten(windows: pa.Table, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

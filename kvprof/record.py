@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 import duckdb
 import pyarrow as pa
 
-from kvprof import __version__, caches, calibrate, privileges, schema, system
+from kvprof import __version__, caches, calibration, privileges, schema, system
 from kvprof.devices import Device, queue_limits, resolve
-from kvprof.fold import SLOT_NS, WindowBook
+from kvprof.fold import WindowBook
+from kvprof.schema import SLOT_NS
 from kvprof.errors import EX_IOERR, EX_UNAVAILABLE, EX_USAGE, KvprofError
 from kvprof.markers import socket_path
 from kvprof.phases import registry
@@ -651,10 +652,10 @@ def _devices_json(devs: tuple[Device, ...]) -> str:
     calibrate` measured it, its calibration, carried in the session for its reports."""
     out = []
     for d in devs:
-        key = calibrate.identity(d)["key"]
+        key = calibration.identity(d)["key"]
         entry = {"name": d.name, "major": d.major, "minor": d.minor, "key": key,
                  "limits": queue_limits(d)}
-        found = calibrate.load(key)
+        found = calibration.load(key)
         if found is not None:
             entry["calibration"] = found
         out.append(entry)

@@ -5,6 +5,7 @@ columns, so a column is added here or nowhere.
 """
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 
 from kvprof import layers
@@ -248,7 +249,21 @@ ENGINE_SERIES = frozenset([n for pairs in ENGINE_MEANS.values() for pair in pair
 # rows are slots a window edge cut between their first and last issue, counted in the phase
 # that held most of that span. Histograms are log2: slot 0 holds the value 0, slot s >= 1
 # holds [2^(s-1), 2^s), the last slot also everything above.
-AGG_SLOTS = 40
+AGG_SLOTS = 40  # KVPROF_AGG_SLOTS
+SLOT_NS = 4_000_000  # KVPROF_SLOT_NS, the issue slot: a divisor of the second
+# What capture/aggregate.py makes of the kernel's map entries, and the recorder folds
+# (kvprof/fold.py) into io_agg and device_busy rows. One aggregate slot row:
+AGG_ROW = np.dtype([("slot", "<u8"), ("sec", "<u4"), ("dev", "<u4"), ("layer", "u1"),
+                    ("op", "u1"), ("ios", "<u8"), ("bytes", "<u8"), ("queue_ns", "<u8"),
+                    ("service_ns", "<u8"), ("first", "<u8"), ("last", "<u8"),
+                    ("size", "<u8", AGG_SLOTS), ("queue", "<u8", AGG_SLOTS),
+                    ("service", "<u8", AGG_SLOTS)])
+# Busy time of one slot. `run` 0: pieces within the slot, between first and last (ns after
+# its start); n > 0: one stretch from the slot's start on for `ns`, over n slots. `sec`: the
+# second it was accounted in (completion second, for AGG_ROW), which says when it may be
+# folded for good.
+BUSY_ROW = np.dtype([("slot", "<u8"), ("sec", "<u4"), ("dev", "<u4"), ("run", "<u4"),
+                     ("ns", "<u8"), ("first", "<u8"), ("last", "<u8")])
 IO_AGG = pa.schema(
     [
         ("ts_ns", pa.int64()),  # the second's start, CLOCK_MONOTONIC ns

@@ -12,7 +12,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from kvprof import calibrate, schema
+from kvprof import calibration, schema
 from kvprof.errors import EX_DATAERR, EX_NOINPUT, EX_TEMPFAIL, EX_USAGE, KvprofError
 
 DB_FILE = "session.duckdb"
@@ -301,7 +301,7 @@ def _with_calibration(devices: str | None) -> list[dict]:
     out = json.loads(devices or "[]")
     for d in out:
         if "calibration" not in d and d.get("key"):
-            found = calibrate.load(d["key"])
+            found = calibration.load(d["key"])
             if found is not None:
                 d["calibration"] = found
     return out

@@ -6,7 +6,8 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import schema
-from kvprof.fold import AGG_ROW, BUSY_ROW, SLOT_NS, WindowBook, fold
+from kvprof.fold import WindowBook, fold
+from kvprof.schema import AGG_ROW, BUSY_ROW, SLOT_NS
 
 S = 1_000_000_000
 

@@ -18,7 +18,8 @@ import time
 import numpy as np
 
 from kvprof.capture.layout import Code, Struct
-from kvprof.fold import AGG_ROW, BUSY_ROW, HIST_SLOTS, SLOT_NS
+from kvprof.schema import AGG_ROW, BUSY_ROW, SLOT_NS
+from kvprof.schema import AGG_SLOTS as HIST_SLOTS
 
 NS_PER_S = 1_000_000_000
 # Seconds a completion second must be over before it is taken: probes that read the clock
@@ -42,8 +43,8 @@ LAYOUTS = (Struct("kvprof_agg_key", AGG_KEY, __name__, "agg", "Key"),
            Struct("kvprof_agg_val", AGG_VAL, __name__, "agg"),
            Struct("kvprof_busy_key", BUSY_KEY, __name__, "busy", "Key"),
            Struct("kvprof_busy_val", BUSY_VAL, __name__, "busy"))
-CODES = (Code("KVPROF_SLOT_NS", SLOT_NS, "kvprof.fold"),
-         Code("KVPROF_AGG_SLOTS", HIST_SLOTS, "kvprof.fold"))
+CODES = (Code("KVPROF_SLOT_NS", SLOT_NS, "kvprof.schema"),
+         Code("KVPROF_AGG_SLOTS", HIST_SLOTS, "kvprof.schema"))
 
 
 def _dump(table, key_dtype: np.dtype, val_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
