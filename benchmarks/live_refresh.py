@@ -22,11 +22,11 @@ import threading
 import time
 from pathlib import Path
 
+from kvprof.analysis.rowsource import SqlRows
+from kvprof.commands.record import BackgroundRecorder, RecordOptions
 from kvprof.markers import Marker
-from kvprof.record import BackgroundRecorder, RecordOptions
-from kvprof.rowsource import SqlRows
-from kvprof.snapshot import Clock, SnapshotFeed, ViewRequest, build_snapshot
-from kvprof.store import Reader, session_info
+from kvprof.store.session import Reader, session_info
+from kvprof.views.snapshot import Clock, SnapshotFeed, ViewRequest, build_snapshot
 
 NS = 1_000_000_000
 

@@ -15,8 +15,8 @@ import time
 
 from snapshot_build import NS, Synth, make_session, timed
 
-from kvprof.correlate import summarize
-from kvprof.rowsource import SqlRows
+from kvprof.analysis.correlate import summarize
+from kvprof.analysis.rowsource import SqlRows
 
 
 def main() -> None:

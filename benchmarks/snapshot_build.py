@@ -21,8 +21,8 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import schema
-from kvprof.rowsource import LiveRows, SqlRows, feed_cache
-from kvprof.snapshot import build_snapshot
+from kvprof.analysis.rowsource import LiveRows, SqlRows, feed_cache
+from kvprof.views.snapshot import build_snapshot
 
 NS = 1_000_000_000
 START = 10 * NS

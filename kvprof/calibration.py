@@ -83,7 +83,8 @@ def identity(dev: Device) -> dict:
     sys_dev = sysfs_dir(dev)
     disk = sys_dev.resolve().parent if (sys_dev / "partition").exists() else sys_dev.resolve()
     model = read_attr(disk / "device/model")
-    serial = read_attr(disk / "device/serial") or read_attr(disk / "serial") or read_attr(disk / "wwid")
+    serial = (read_attr(disk / "device/serial") or read_attr(disk / "serial")
+              or read_attr(disk / "wwid"))
     backing = read_attr(disk / "loop/backing_file")
     if model or serial:
         key = " ".join(x for x in (model, serial) if x)

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from functools import partial
-from pathlib import Path
+from collections.abc import Callable
 
 # Threads that libraries start when imported would keep the privileges the recorder drops
 # once attached (they are per thread: kvprof.privileges). A command line run starts none:
@@ -14,11 +12,13 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
 
-from kvprof import __version__  # noqa: E402 - after the environment above
+from kvprof import (
+    __version__,  # noqa: E402 - after the environment above
+    phase_sources,
+)
 from kvprof import layers as layer_table
-from kvprof import phase_sources
 from kvprof.calibration import BY_NAME as PATTERNS
-from kvprof.errors import EX_NOPERM, EX_SOFTWARE, EX_USAGE, KvprofError
+from kvprof.errors import EX_SOFTWARE, EX_USAGE, KvprofError
 
 EXAMPLES = """examples:
   sudo kvprof demo                       # built-in KV-offload workload on a private loop device
@@ -136,26 +136,6 @@ def _size(text: str) -> int:
     if value < 1 << 20:
         raise argparse.ArgumentTypeError(f"{text!r} is below 1M, too small for a session")
     return int(value)
-
-
-def _layers(args) -> tuple[str, ...]:
-    """--layer as given; by default the device layers, and the file syscalls of the selected
-    processes (system-wide, every read and write of every process would be traced)."""
-    from kvprof import system
-
-    if args.layer:
-        return tuple(dict.fromkeys(args.layer))
-    from kvprof.capture.gds import find_cufile
-
-    layers = list(layer_table.DEVICE_NAMES)
-    if args.pid or args.cgroup:
-        # The process layers this kernel has the tracepoints for; gds attaches to libcufile
-        # instead, where it is installed.
-        layers += [x.name for x in layer_table.LAYERS if not x.device and x.tracepoints
-                   and all(system.tracepoint_available(t) for t in x.tracepoints)]
-        if find_cufile():
-            layers.append(layer_table.GDS.name)
-    return tuple(layers)
 
 
 def _mixed_arg(p: argparse.ArgumentParser) -> None:
@@ -288,214 +268,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_record(args) -> int:
-    from kvprof.record import RecordOptions, record, resolve_filters
-
-    opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
-                         cgroups=args.cgroup, layers=_layers(args),
-                         duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
-                         caches=args.caches, events=args.events, max_size=args.max_size,
-                         event_rate=args.event_rate, roll=args.roll,
-                         settle_s=args.settle,
-                         prometheus=args.prometheus, socket_mode=args.socket_mode,
-                         socket_group=args.socket_group, allow_senders=args.allow_sender,
-                         drop_privileges=not args.keep_privileges)
-    if args.ebpf:
-        from kvprof.capture.ebpf import build_program
-
-        prog = build_program(opts.layers, resolve_filters(opts), device_events=opts.events)
-        print("// cflags: " + " ".join(prog.cflags))
-        print(prog.text)
-        return 0
-    record(opts)
-    return 0
+VERBS = ("record", "top", "report", "compare", "export", "mark", "doctor", "calibrate", "demo")
 
 
-def cmd_top(args) -> int:
-    from kvprof.top import run_live, run_replay
-
-    if args.interval <= 0:
-        raise KvprofError("--interval must be positive", EX_USAGE)
-    if args.replay:
-        return run_replay(args.replay, interval_s=args.interval)
-    from kvprof import system
-
-    system.require_privilege()  # one line and exit 77 before any screen, like record
-    if not sys.stdout.isatty():
-        raise KvprofError("kvprof top needs a terminal; use kvprof record for a script",
-                          EX_USAGE)
-    from kvprof.record import RecordOptions
-
-    opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
-                         cgroups=args.cgroup, layers=_layers(args),
-                         duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
-                         caches=args.caches, max_size=args.max_size,
-                         event_rate=args.event_rate, prometheus=args.prometheus,
-                         settle_s=args.settle,
-                         socket_mode=args.socket_mode, socket_group=args.socket_group,
-                         allow_senders=args.allow_sender,
-                         drop_privileges=not args.keep_privileges)
-    return run_live(opts, interval_s=args.interval)
-
-
-def load_summary(session: str | Path, with_timeline: bool = False, mixed: str = "apart"):
-    """The report of a recorded session, as a dict; with its timeline for the visual report:
-    (summary, timeline)."""
-    import duckdb
-
-    from kvprof.correlate import summarize, timeline
-    from kvprof.rowsource import SqlRows
-    from kvprof.store import open_session, unreadable
-
-    con = open_session(session)
-    try:
-        rows = SqlRows(con)
-        summary = summarize(rows, mixed=mixed)
-        return (summary, timeline(rows, mixed=mixed)) if with_timeline else summary
-    except duckdb.Error as e:
-        # Opened, but its data is damaged (a file cut short, a disk error).
-        raise unreadable(e, f"{session}: the session's data is damaged") from None
-    finally:
-        con.close()
-
-
-def write_html(path: str, text: str) -> None:
-    try:
-        Path(path).write_text(text)
-    except OSError as e:
-        raise KvprofError(f"cannot write {path}: {e.strerror}", EX_USAGE) from None
-    print(f"kvprof: wrote {path} ({len(text) >> 10} KiB, opens with no network)",
-          file=sys.stderr)
-
-
-def print_report(session: str | Path, name: str, as_json: bool, mixed: str = "apart") -> None:
-    """The per-phase report of a recorded session on stdout: `kvprof report` and the demo."""
-    from kvprof.report import to_json, to_text
-
-    summary = load_summary(session, mixed=mixed)
-    sys.stdout.write(to_json(summary) + "\n" if as_json else to_text(summary, name))
-    sys.stdout.flush()
-
-
-def cmd_report(args) -> int:
-    if args.parquet:
-        from kvprof import fleet
-
-        if args.session or args.html:
-            raise KvprofError("report --parquet DIR reports a fleet export: no SESSION, no "
-                              "--html", EX_USAGE)
-        summary = fleet.fleet_summary(args.parquet)
-        sys.stdout.write(json.dumps(summary, indent=2) + "\n" if args.json
-                         else fleet.to_text(summary))
-        return 0
-    if not args.session:
-        raise KvprofError("report needs a SESSION (or --parquet DIR)", EX_USAGE)
-    if args.html:
-        from kvprof.htmlreport import report_html
-
-        summary, timeline = load_summary(args.session, with_timeline=True, mixed=args.mixed)
-        write_html(args.html, report_html(summary, timeline, args.session))
-        return 0
-    print_report(args.session, args.session, args.json, args.mixed)
-    return 0
-
-
-def cmd_compare(args) -> int:
-    from kvprof import compare
-
-    gates = [compare.parse_gate(g) for g in args.gate]
-    timelines: tuple[dict, dict] | None = None  # loaded only for --html
-    if args.html:
-        (a, ta), (b, tb) = (load_summary(s, True, args.mixed) for s in (args.a, args.b))
-        timelines = (ta, tb)
-    else:
-        a, b = (load_summary(s, mixed=args.mixed) for s in (args.a, args.b))
-    result = compare.compare(a, b, gates)
-    if timelines is not None:
-        from kvprof.htmlreport import compare_html
-
-        write_html(args.html, compare_html(result, a, b, timelines, (args.a, args.b)))
-    sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.json else
-                     compare.to_text(result, args.a, args.b))
-    sys.stdout.flush()
-    return 0 if result["passed"] else 1
-
-
-def cmd_export(args) -> int:
-    from kvprof.export import export_parquet
-    from kvprof.store import open_session, unreadable
-
-    if args.host and not args.hive:
-        raise KvprofError("--host files a session in the fleet layout: add --hive", EX_USAGE)
-    import duckdb
-
-    con = open_session(args.session)
-    try:
-        for path in export_parquet(con, args.parquet, hive=args.hive, host=args.host):
-            print(path)
-    except duckdb.Error as e:
-        raise unreadable(e, f"{args.session}: the session's data is damaged") from None
-    finally:
-        con.close()
-    return 0
-
-
-def cmd_mark(args) -> int:
-    from kvprof.markers import Marker
-
-    import errno
-
-    m = Marker(args.socket, engine=args.engine)
-    if not m.mark(args.phase, prefill_tokens=args.prefill_tokens,
-                  decode_tokens=args.decode_tokens):
-        if m.last_error in (errno.EACCES, errno.EPERM):
-            raise KvprofError(f"permission denied on the marker socket {m.path} (the recorder's "
-                              "--socket-group or --socket-mode decides who may send)",
-                              EX_NOPERM)
-        # A shell script should learn that nobody listened, without failing hard.
-        print(f"kvprof: no recorder listening on {m.path}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def cmd_calibrate(args) -> int:
-    from kvprof import calibrate, calibration
-
-    unknown = [n for n in args.pattern if n not in PATTERNS]
-    if unknown:
-        raise KvprofError(f"unknown pattern {unknown[0]!r}; patterns: " + ", ".join(PATTERNS),
-                          EX_USAGE)
-    if args.runtime <= 0:
-        raise KvprofError("--runtime must be positive", EX_USAGE)
-    result = calibrate.calibrate(args.target, args.runtime, args.size, args.force,
-                                 tuple(args.pattern))
-    path = calibration.save(result)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    print(f"kvprof: kept for {result['key']} in {path}" if path else
-          "kvprof: not kept: the target has no block device of its own", file=sys.stderr)
-    return 0
-
-
-def cmd_doctor(args) -> int:
-    from kvprof.doctor import run_doctor
-
-    return run_doctor()
-
-
-def cmd_demo(args) -> int:
-    from kvprof.demo import run_demo
-
-    # The dashboard only on a terminal: scripts and tests keep getting the printed report.
-    tui = not (args.no_tui or args.json) and sys.stdout.isatty() and sys.stdin.isatty()
-    # The demo gets the report from here: the CLI is the top layer, nothing imports it.
-    return run_demo(seconds=args.seconds, out=args.output, tui=tui,
-                    report=partial(print_report, as_json=args.json))
-
-
-COMMANDS = {"record": cmd_record, "top": cmd_top, "report": cmd_report, "compare": cmd_compare,
-            "export": cmd_export, "mark": cmd_mark, "doctor": cmd_doctor,
-            "calibrate": cmd_calibrate, "demo": cmd_demo}
+def command(verb: str) -> Callable[[argparse.Namespace], int]:
+    """The verb's `run` (kvprof/commands/VERB.py), imported when run: `kvprof mark` loads
+    neither pyarrow nor duckdb."""
+    if verb == "record":
+        from kvprof.commands import record
+        return record.run
+    if verb == "top":
+        from kvprof.commands import top
+        return top.run
+    if verb == "report":
+        from kvprof.commands import report
+        return report.run
+    if verb == "compare":
+        from kvprof.commands import compare
+        return compare.run
+    if verb == "export":
+        from kvprof.commands import export
+        return export.run
+    if verb == "mark":
+        from kvprof.commands import mark
+        return mark.run
+    if verb == "doctor":
+        from kvprof.commands import doctor
+        return doctor.run
+    if verb == "calibrate":
+        from kvprof.commands import calibrate
+        return calibrate.run
+    if verb == "demo":
+        from kvprof.commands import demo
+        return demo.run
+    raise KvprofError(f"no command {verb!r}", EX_USAGE)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -505,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return EX_USAGE
     try:
-        return COMMANDS[args.command](args)
+        return command(args.command)(args)
     except KvprofError as e:
         print(f"kvprof: error: {e}", file=sys.stderr)
         if e.hint:

@@ -242,7 +242,7 @@ ENGINE_TOKENS = _merged(s.tokens for s in PHASE_SOURCES)
 ENGINE_SERIES = frozenset([n for pairs in ENGINE_MEANS.values() for pair in pairs for n in pair]
                           + [n for names in ENGINE_TOKENS.values() for n in names])
 
-# The aggregate tier (probes/kvprof.h, kvprof/capture/aggregate.py, kvprof/fold.py): every
+# The aggregate tier (probes/kvprof.h, kvprof/capture/aggregate.py, kvprof/analysis/fold.py): every
 # block and io_uring request counted in the kernel, per completion second, phase, layer, op
 # and device, whatever the event tier kept. The phase is that of the window holding the
 # request's issue time (fold.flatten, as for events), given per 4 ms issue slot; `boundary`
@@ -252,7 +252,7 @@ ENGINE_SERIES = frozenset([n for pairs in ENGINE_MEANS.values() for pair in pair
 AGG_SLOTS = 40  # KVPROF_AGG_SLOTS
 SLOT_NS = 4_000_000  # KVPROF_SLOT_NS, the issue slot: a divisor of the second
 # What capture/aggregate.py makes of the kernel's map entries, and the recorder folds
-# (kvprof/fold.py) into io_agg and device_busy rows. One aggregate slot row:
+# (kvprof/analysis/fold.py) into io_agg and device_busy rows. One aggregate slot row:
 AGG_ROW = np.dtype([("slot", "<u8"), ("sec", "<u4"), ("dev", "<u4"), ("layer", "u1"),
                     ("op", "u1"), ("ios", "<u8"), ("bytes", "<u8"), ("queue_ns", "<u8"),
                     ("service_ns", "<u8"), ("first", "<u8"), ("last", "<u8"),

@@ -23,7 +23,7 @@ else:  # pragma: no cover - Python 3.10
 
 
 # Names a view indexes the report by, as literals so a type checker follows the keys; they
-# are schema.PHASES / DEVICE_LAYERS / LAYERS' own (kvprof/correlate.py asserts it).
+# are schema.PHASES / DEVICE_LAYERS / LAYERS' own (kvprof/analysis/correlate.py asserts it).
 MainOp = Literal["read", "write"]
 DeviceLayer = Literal["block", "io_uring"]
 Layer = Literal["block", "io_uring", "syscall", "tcp", "gds"]

@@ -2,9 +2,9 @@
 kernel's own /sys/block counters, and `kvprof record` run as a real subprocess."""
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
-import contextlib
 import os
 import shutil
 import signal

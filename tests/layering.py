@@ -16,10 +16,17 @@ from pathlib import Path
 
 # Module prefixes (a prefix matches itself and its submodules). Written as module names rather
 # than paths so they compare directly with what is imported.
-VIEWS = ("kvprof.ui", "kvprof.snapshot", "kvprof.report", "kvprof.findings", "kvprof.top",
-         "kvprof.units", "kvprof.htmlreport", "kvprof.compare")
-ROWS_CONSUMERS = ("kvprof.store", "kvprof.correlate", "kvprof.snapshot", "kvprof.ui",
-                  "kvprof.record", "kvprof.cli")
+#
+# The folders are the data flow (DESIGN.md, "Layout"), each importing only from the ones
+# before it; the definitions every stage shares sit at the top of the package.
+CAPTURE, PHASES = "kvprof.capture", "kvprof.phases"
+STORE, ANALYSIS, VIEWS, COMMANDS = ("kvprof.store", "kvprof.analysis", "kvprof.views",
+                                    "kvprof.commands")
+FLOW = ((CAPTURE, PHASES), (STORE,), (ANALYSIS,), (VIEWS,), (COMMANDS,), ("kvprof.cli",))
+SHARED = ("kvprof.schema", "kvprof.summary", "kvprof.layers", "kvprof.phase_sources",
+          "kvprof.errors", "kvprof.system", "kvprof.privileges", "kvprof.devices",
+          "kvprof.caches", "kvprof.roles", "kvprof.units", "kvprof.calibration",
+          "kvprof.markers")
 
 
 @dataclass(frozen=True)
@@ -33,40 +40,42 @@ class Rule:
     allow: tuple[str, ...] = ()
 
 
+def _later(i: int) -> tuple[str, ...]:
+    return tuple(m for stage in FLOW[i + 1:] for m in stage)
+
+
 # The contract, from DESIGN.md (data flows one way) and STYLE.md (layers import from below;
 # heavy or privileged libraries only where they are used).
 RULES = (
-    Rule("textual/rich only in the UI package", forbid=("textual", "rich"),
-         exempt=("kvprof.ui",)),
-    Rule("bcc only in capture", forbid=("bcc",), exempt=("kvprof.capture",)),
+    Rule("textual/rich only in the TUI package", forbid=("textual", "rich"),
+         exempt=("kvprof.views.tui",)),
+    Rule("bcc only in capture", forbid=("bcc",), exempt=(CAPTURE,)),
     Rule("pynvml only in the NVML sampler", forbid=("pynvml",),
          exempt=("kvprof.capture.nvml",)),
     Rule("plotly only in the visual report", forbid=("plotly",),
-         exempt=("kvprof.htmlreport",)),
+         exempt=("kvprof.views.html",)),
     Rule("prometheus_client only in the exporter", forbid=("prometheus_client",),
-         exempt=("kvprof.exporter",)),
-    # Views show what correlate computed: no queries, no number crunching of their own.
-    Rule("views never import duckdb", forbid=("duckdb",), applies_to=VIEWS),
-    Rule("views compute nothing themselves", forbid=("numpy", "kvprof.iocache",
-                                                      "kvprof.rollup", "kvprof.intervals"),
-         applies_to=VIEWS),
-    Rule("capture only produces rows", applies_to=("kvprof.capture",),
-         forbid=("kvprof.phases",) + ROWS_CONSUMERS),
+         exempt=("kvprof.views.prometheus",)),
+    # The shared definitions are read by every stage and read none of them.
+    Rule("shared definitions import no stage", applies_to=SHARED,
+         forbid=(CAPTURE, PHASES, *_later(0))),
+    # Each stage imports only from the stages before it: data flows one way.
+    Rule("capture only produces rows", applies_to=(CAPTURE,), forbid=(PHASES, *_later(0))),
     # The NVML phase source wraps the sampler; nothing else in capture is theirs to use.
-    Rule("phase sources only produce rows", applies_to=("kvprof.phases",),
-         forbid=("kvprof.capture",) + ROWS_CONSUMERS, allow=("kvprof.capture.nvml",)),
-    Rule("store only keeps rows", applies_to=("kvprof.store",),
-         forbid=("kvprof.correlate", "kvprof.snapshot", "kvprof.ui", "kvprof.report",
-                 "kvprof.record", "kvprof.cli")),
-    Rule("row sources only answer correlate", applies_to=("kvprof.rowsource", "kvprof.iocache",
-                                                           "kvprof.rollup", "kvprof.intervals"),
-         forbid=("kvprof.correlate", "kvprof.snapshot", "kvprof.ui", "kvprof.report",
-                 "kvprof.findings", "kvprof.top", "kvprof.record", "kvprof.cli")),
-    Rule("correlate only reads the store", applies_to=("kvprof.correlate",),
-         forbid=("kvprof.snapshot", "kvprof.ui", "kvprof.report", "kvprof.findings",
-                 "kvprof.top", "kvprof.record", "kvprof.cli")),
-    Rule("only top, demo and cli open the TUI", forbid=("kvprof.ui",),
-         exempt=("kvprof.ui", "kvprof.top", "kvprof.demo", "kvprof.cli")),
+    Rule("phase sources only produce rows", applies_to=(PHASES,),
+         forbid=(CAPTURE, *_later(0)), allow=("kvprof.capture.nvml",)),
+    Rule("the store only keeps rows", applies_to=(STORE,), forbid=(CAPTURE, PHASES, *_later(1))),
+    Rule("analysis only reads the store", applies_to=(ANALYSIS,),
+         forbid=(CAPTURE, PHASES, *_later(2))),
+    # Views show what correlate computed: no queries, no number crunching of their own.
+    Rule("views only show", applies_to=(VIEWS,), forbid=(CAPTURE, PHASES, *_later(3))),
+    Rule("views never import duckdb", forbid=("duckdb",), applies_to=(VIEWS,)),
+    Rule("views compute nothing themselves", applies_to=(VIEWS,),
+         forbid=("numpy", "kvprof.analysis.iocache", "kvprof.analysis.rollup",
+                 "kvprof.analysis.intervals")),
+    Rule("only top, demo and the CLI open the TUI", forbid=("kvprof.views.tui",),
+         exempt=("kvprof.views.tui", "kvprof.commands.top", "kvprof.commands.demo",
+                 "kvprof.cli")),
     Rule("nothing imports the CLI", forbid=("kvprof.cli",),
          exempt=("kvprof.cli", "kvprof.__main__")),
 )
@@ -75,7 +84,7 @@ CYCLE_RULE = "no import cycles"
 
 @dataclass(frozen=True)
 class Import:
-    file: str  # relative to the package root's parent, e.g. kvprof/ui/app.py
+    file: str  # relative to the package root's parent, e.g. kvprof/views/tui/app.py
     line: int
     importer: str
     imported: str

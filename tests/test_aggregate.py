@@ -61,7 +61,11 @@ def test_io_a_millisecond_after_a_mark_is_in_the_new_phase_in_both_tiers_under_l
                              "--iodepth=32", "--numjobs=2", "--thread", "--time_based",
                              "--runtime=60", "--output=/dev/null"])
     try:
-        rec = start_recorder("-d", loopdev)
+        # The block layer only: the burn's io_uring requests (another device's, ~200 k/s) are
+        # not device-filtered at that layer, and flooding the event ring they cost a counted
+        # batch of rows now and then (ringbuf_reserve_failed 32, one of them a read here; two
+        # full-suite runs so far) — a loss the report says, not the phase rule tested here.
+        rec = start_recorder("-d", loopdev, "--layer", "block")
         time.sleep(1)
         m = Marker(rec.socket, engine="load")
         fd = os.open(f"/dev/{loopdev}", os.O_RDONLY | os.O_DIRECT)
@@ -87,6 +91,7 @@ def test_io_a_millisecond_after_a_mark_is_in_the_new_phase_in_both_tiers_under_l
                report["phases"][p]["block"].get("read", {}).get("ios", 0))
            for p in ("prefill", "decode", "idle")}
     print(f"reads 1 ms after marks, both cores busy: (exact, events) {got}")
+    assert report["session"]["lost_events"] == 0, report["session"]["lost_by_reason"]
     assert got == {"prefill": (75, 75), "decode": (75, 75), "idle": (0, 0)}
 
 

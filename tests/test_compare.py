@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from kvprof.analysis.rowsource import SqlRows
 from kvprof.markers import Marker
-from kvprof.rowsource import SqlRows
-from kvprof.snapshot import build_snapshot
-from kvprof.store import open_session, session_info
+from kvprof.store.session import open_session, session_info
+from kvprof.views.snapshot import build_snapshot
 from tests.conftest import aligned, io_limit, live, run_kvprof
 
 pytestmark = live

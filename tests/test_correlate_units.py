@@ -8,9 +8,9 @@ import pyarrow as pa
 import pytest
 
 from kvprof import schema
-from kvprof.fold import flatten
-from kvprof.intervals import busy_between, busy_islands
-from kvprof.phases.marks import WindowBuilder, decode
+from kvprof.analysis.fold import flatten
+from kvprof.analysis.intervals import busy_between, busy_islands
+from kvprof.phases.mark_server import WindowBuilder, decode
 
 
 def windows(*rows) -> pa.Table:

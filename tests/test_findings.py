@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvprof.devices import by_number, queue_limits
-from tests.conftest import (KVPROF, direct_random_reads, direct_write, io_limit, live,
-                            run_kvprof)
+from tests.conftest import KVPROF, direct_random_reads, direct_write, io_limit, live, run_kvprof
 
 pytestmark = live
 

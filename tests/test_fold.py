@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import schema
-from kvprof.fold import WindowBook, fold
+from kvprof.analysis.fold import WindowBook, fold
 from kvprof.schema import AGG_ROW, BUSY_ROW, SLOT_NS
 
 S = 1_000_000_000

@@ -13,9 +13,14 @@ from hypothesis import strategies as st
 
 from kvprof.markers import MAX_DATAGRAM
 from kvprof.phases.exposition import parse_exposition
-from kvprof.phases.marks import Mark, decode
-from kvprof.phases.zmq_sources import (Malformed, _unpack, decode_fpm, decode_kv_batch,
-                                       decode_kv_event)
+from kvprof.phases.mark_server import Mark, decode
+from kvprof.phases.zmq_sources import (
+    Malformed,
+    _unpack,
+    decode_fpm,
+    decode_kv_batch,
+    decode_kv_event,
+)
 from tests.conftest import FUZZ_COUNTS
 
 RUNS = 10_000

@@ -18,8 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import KVPROF, direct_random_reads, direct_write, live, run_kvprof, \
-    thread_privileges
+from tests.conftest import (
+    KVPROF,
+    direct_random_reads,
+    direct_write,
+    live,
+    run_kvprof,
+    thread_privileges,
+)
 
 pytestmark = live
 
@@ -354,8 +360,14 @@ FILE_NAMES = 1 << CAP_DAC_READ_SEARCH | 1 << CAP_SYS_PTRACE  # what the syscall 
 def test_once_attached_the_recorder_keeps_only_what_file_names_need(loopdev, start_recorder,
                                                                      tmp_path):
     from kvprof.markers import Marker
-    from tests.conftest import READ_IOS, WRITE_IOS, assert_kernel_count, read_stat, settle, \
-        stat_delta
+    from tests.conftest import (
+        READ_IOS,
+        WRITE_IOS,
+        assert_kernel_count,
+        read_stat,
+        settle,
+        stat_delta,
+    )
 
     rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "io_uring",
                          "--layer", "syscall", "--prometheus", "127.0.0.1:0")
@@ -543,7 +555,7 @@ def test_a_kill_at_any_moment_loses_at_most_the_last_second(loopdev, start_recor
 def test_a_killed_session_says_so_where_this_host_can_tell(loopdev, start_recorder, tmp_path):
     import duckdb
 
-    from kvprof.store import recorder_identity
+    from kvprof.store.session import recorder_identity
 
     rec = start_recorder("-d", loopdev)
     direct_write(loopdev, 1 << 20)

@@ -5,9 +5,10 @@ import json
 import subprocess
 import sys
 
-CORE = ["kvprof.cli", "kvprof.correlate", "kvprof.report", "kvprof.export", "kvprof.store",
-        "kvprof.record", "kvprof.markers", "kvprof.phases.marks", "kvprof.doctor",
-        "kvprof.snapshot", "kvprof.findings", "kvprof.top", "kvprof.demo"]
+CORE = ["kvprof.cli", "kvprof.analysis.correlate", "kvprof.views.report", "kvprof.store.parquet",
+        "kvprof.store.session", "kvprof.commands.record", "kvprof.markers",
+        "kvprof.phases.mark_server", "kvprof.commands.doctor", "kvprof.views.snapshot",
+        "kvprof.views.findings", "kvprof.commands.top", "kvprof.commands.demo"]
 
 
 def test_core_imports_no_capture_or_ui_libraries():

@@ -14,22 +14,25 @@ ROOT = Path(__file__).resolve().parents[1] / "kvprof"
 FAKE = {
     "__init__.py": "",
     "__main__.py": "from kvprof.cli import main\n",
-    "cli.py": "def main():\n    from kvprof import top\n",
-    "top.py": "from kvprof.ui import app\n",
+    "cli.py": "def main():\n    from kvprof.commands import top\n",
+    "commands/__init__.py": "",
+    "commands/top.py": "from kvprof.views.tui import app\n",
     "units.py": "",
-    "store.py": "import duckdb\n",
-    "ui/__init__.py": "",
+    "store/__init__.py": "",
+    "store/session.py": "import duckdb\n",
+    "views/__init__.py": "",
+    "views/tui/__init__.py": "",
     # BREAKS: a view importing duckdb, hidden in a function (line 6).
-    "ui/app.py": ("from textual.app import App\n"
-                  "from kvprof.units import human_us\n"
-                  "\n"
-                  "\n"
-                  "def load(path):\n"
-                  "    import duckdb\n"
-                  "    return duckdb.connect(path)\n"),
-    "report.py": "from kvprof.findings import findings\n",
+    "views/tui/app.py": ("from textual.app import App\n"
+                         "from kvprof.units import human_us\n"
+                         "\n"
+                         "\n"
+                         "def load(path):\n"
+                         "    import duckdb\n"
+                         "    return duckdb.connect(path)\n"),
+    "views/report.py": "from kvprof.views.findings import findings\n",
     # BREAKS: closes report -> findings -> report, only when the function runs (line 2).
-    "findings.py": "def findings(summary):\n    from kvprof.report import WIDTH\n",
+    "views/findings.py": "def findings(summary):\n    from kvprof.views.report import WIDTH\n",
     "capture/__init__.py": "",
     "capture/bccload.py": ("import importlib\n\n\ndef load():\n"
                            "    return importlib.import_module('bcc')\n"),
@@ -40,14 +43,16 @@ FAKE = {
                         "\n"
                         "class Capture:\n"
                         "    def start(self):\n"
-                        "        from ..phases import marks\n"),
+                        "        from ..phases import mark_server\n"),
     "phases/__init__.py": "",
-    "phases/marks.py": "import pyarrow\n",
+    "phases/mark_server.py": "import pyarrow\n",
     # Allowed: the NVML phase source wraps the sampler.
     "phases/nvml.py": "from kvprof.capture.nvml import init\n",
     # BREAKS: bcc loaded by name outside capture (line 5).
-    "doctor.py": ("import importlib\n\n\ndef has_bcc():\n"
-                  "    return importlib.import_module('bcc')\n"),
+    "commands/doctor.py": ("import importlib\n\n\ndef has_bcc():\n"
+                           "    return importlib.import_module('bcc')\n"),
+    # BREAKS: the store reaching up into a view (line 1).
+    "store/parquet.py": "from kvprof.views import report\n",
 }
 
 
@@ -68,26 +73,29 @@ def test_kvprof_keeps_its_layering():
 def test_checker_sees_function_level_imports_in_the_real_tree():
     # Guards against a checker that passes because it reads nothing: cli imports its verbs lazily.
     imports = collect_imports(ROOT)
-    assert any(i.importer == "kvprof.cli" and i.imported == "kvprof.top" for i in imports)
+    assert any(i.importer == "kvprof.cli" and i.imported == "kvprof.commands.top" for i in imports)
 
 
 def test_checker_reports_exactly_the_planted_violations(tmp_path):
     imports = collect_imports(_fake_package(tmp_path))
     assert set(rule_violations(imports)) == {
-        Violation("kvprof/ui/app.py", 6, "duckdb", "views never import duckdb"),
-        Violation("kvprof/capture/ebpf.py", 6, "kvprof.phases.marks",
+        Violation("kvprof/views/tui/app.py", 6, "duckdb", "views never import duckdb"),
+        Violation("kvprof/capture/ebpf.py", 6, "kvprof.phases.mark_server",
                   "capture only produces rows"),
-        Violation("kvprof/doctor.py", 5, "bcc", "bcc only in capture"),
+        Violation("kvprof/commands/doctor.py", 5, "bcc", "bcc only in capture"),
+        Violation("kvprof/store/parquet.py", 1, "kvprof.views.report",
+                  "the store only keeps rows"),
     }
     found = [(c.modules, [(e.file, e.line) for e in c.edges]) for c in cycles(imports)]
-    assert found == [(("kvprof.findings", "kvprof.report", "kvprof.findings"),
-                      [("kvprof/findings.py", 2), ("kvprof/report.py", 1)])]
+    assert found == [(("kvprof.views.findings", "kvprof.views.report", "kvprof.views.findings"),
+                      [("kvprof/views/findings.py", 2), ("kvprof/views/report.py", 1)])]
 
 
 def test_fake_package_without_the_planted_violations_passes(tmp_path):
     root = _fake_package(tmp_path)
-    (root / "ui/app.py").write_text("from textual.app import App\n")
-    (root / "findings.py").write_text("WIDTH = 80\n")
+    (root / "views/tui/app.py").write_text("from textual.app import App\n")
+    (root / "views/findings.py").write_text("WIDTH = 80\n")
     (root / "capture/ebpf.py").write_text("from . import bccload\n")
-    (root / "doctor.py").write_text("")
+    (root / "commands/doctor.py").write_text("")
+    (root / "store/parquet.py").write_text("")
     assert check(root) == []

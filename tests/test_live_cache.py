@@ -11,13 +11,13 @@ import pyarrow as pa
 import pytest
 
 from kvprof import schema
-from kvprof.correlate import summarize
-from kvprof.intervals import busy_islands, busy_islands_ordered
-from kvprof.iocache import IoCache
-from kvprof.rollup import FINE_BITS, Rollup, fine_bucket
-from kvprof.rowsource import LiveRows, SqlRows, ViewFilter
-from kvprof.snapshot import build_snapshot
-from kvprof.store import Reader, open_replay, session_info
+from kvprof.analysis.correlate import summarize
+from kvprof.analysis.intervals import busy_islands, busy_islands_ordered
+from kvprof.analysis.iocache import IoCache
+from kvprof.analysis.rollup import FINE_BITS, Rollup, fine_bucket
+from kvprof.analysis.rowsource import LiveRows, SqlRows, ViewFilter
+from kvprof.store.session import Reader, open_replay, session_info
+from kvprof.views.snapshot import build_snapshot
 from tests.conftest import assert_same_report
 from tests.test_top import SAMPLE
 
@@ -290,8 +290,8 @@ def test_asking_for_another_view_interrupts_a_long_sql_build(monkeypatch):
     import threading
     import time
 
-    import kvprof.rowsource as rowsource
-    from kvprof.snapshot import Clock, SnapshotFeed, ViewRequest
+    import kvprof.analysis.rowsource as rowsource
+    from kvprof.views.snapshot import Clock, SnapshotFeed, ViewRequest
 
     sess = Session(seconds=40, rate=25000)
     end = sess.start + 40 * NS
@@ -334,7 +334,7 @@ def test_asking_for_another_view_interrupts_a_long_sql_build(monkeypatch):
 
 
 def test_a_frame_reads_only_the_windows_reaching_into_its_view():
-    from kvprof.store import phase_windows
+    from kvprof.store.session import phase_windows
 
     sess = Session(seconds=6, rate=100)
     sess.flush_until(sess.start + 6 * NS)

@@ -14,9 +14,22 @@ import duckdb
 import pytest
 
 from kvprof.markers import Marker
-from tests.conftest import (IO_TICKS, READ_IOS, READ_SECTORS, WRITE_IOS, WRITE_SECTORS,
-                            aligned, assert_kernel_count, direct_random_reads, direct_write, live,
-                            mounted_ext4, read_stat, settle, stat_delta)
+from tests.conftest import (
+    IO_TICKS,
+    READ_IOS,
+    READ_SECTORS,
+    WRITE_IOS,
+    WRITE_SECTORS,
+    aligned,
+    assert_kernel_count,
+    direct_random_reads,
+    direct_write,
+    live,
+    mounted_ext4,
+    read_stat,
+    settle,
+    stat_delta,
+)
 
 pytestmark = live
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvprof import sampling
+from kvprof.capture import sampling
 
 
 def test_the_shift_rises_at_once_and_falls_one_step_after_calm(monkeypatch):
@@ -41,7 +41,7 @@ def test_zero_keeps_every_row():
 def test_weighted_quantiles_weigh_each_row_by_what_it_stands_for():
     """1000 rows of 100 µs kept at 1 in 1, 1000 rows of 1 ms kept at 1 in 8: 9000 requests,
     8000 of them 1 ms, so the median is 1 ms (unweighted it would fall between)."""
-    from kvprof.rowsource import WEIGHTED_STEPS, _weighted_q
+    from kvprof.analysis.rowsource import WEIGHTED_STEPS, _weighted_q
 
     def bucket(us: float) -> int:
         return int(np.floor(np.log2(us * 1e3) * WEIGHTED_STEPS))

@@ -8,7 +8,7 @@ import subprocess
 import duckdb
 import pytest
 
-from kvprof import store
+from kvprof.store import session as store
 from tests.conftest import READ_IOS, assert_kernel_count, live, run_kvprof, settle, stat_delta
 
 pytestmark = [live, pytest.mark.skipif(shutil.which("fio") is None, reason="needs fio")]

@@ -7,8 +7,17 @@ import time
 import msgpack
 import zmq
 
-from tests.conftest import (READ_IOS, WRITE_IOS, assert_kernel_count, direct_random_reads,
-                            direct_write, live, read_stat, settle, stat_delta)
+from tests.conftest import (
+    READ_IOS,
+    WRITE_IOS,
+    assert_kernel_count,
+    direct_random_reads,
+    direct_write,
+    live,
+    read_stat,
+    settle,
+    stat_delta,
+)
 
 pytestmark = live
 

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pytest
 
 from kvprof import schema
-from kvprof.correlate import summarize
-from kvprof.rowsource import SqlRows, ViewFilter
+from kvprof.analysis.correlate import summarize
+from kvprof.analysis.rowsource import SqlRows, ViewFilter
 from tests.conftest import (
     READ_IOS,
     READ_SECTORS,

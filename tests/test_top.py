@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from kvprof.correlate import summarize
-from kvprof.export import export_parquet
-from kvprof.findings import findings, phase_finding
-from kvprof.report import to_text
-from kvprof.rowsource import SqlRows, ViewFilter
-from kvprof.snapshot import Clock, build_snapshot
 from kvprof import schema
-from kvprof.store import Reader, open_replay, session_info
+from kvprof.analysis.correlate import summarize
+from kvprof.analysis.rowsource import SqlRows, ViewFilter
+from kvprof.store.parquet import export_parquet
+from kvprof.store.session import Reader, open_replay, session_info
+from kvprof.views.findings import findings, phase_finding
+from kvprof.views.report import to_text
+from kvprof.views.snapshot import Clock, build_snapshot
 from tests.conftest import KVPROF, assert_same_report, live, run_kvprof
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,7 +131,7 @@ def test_replay_clock_plays_scrubs_and_stops_at_the_end():
 # -- the real app under Pilot ----------------------------------------------------------------------
 
 def _app(con, info, **kw):
-    from kvprof.ui.app import KvprofTop
+    from kvprof.views.tui.app import KvprofTop
 
     return KvprofTop(Reader(con), Clock(info.start_ns, info.end_ns, playing=False), name="demo",
                      interval_s=0.2, window_s=None, **kw)
@@ -147,7 +147,7 @@ async def _wait(pilot, app, pred, timeout=10.0):
 
 
 def test_pilot_keys_change_window_filter_and_pause(sample):
-    from kvprof.ui.app import SnapshotReady
+    from kvprof.views.tui.app import SnapshotReady
 
     con, info = sample
     posted = []
@@ -223,7 +223,7 @@ def test_pilot_export_writes_parquet_off_the_ui_thread(sample, tmp_path):
 def test_command_palette_lists_the_actions(sample):
     con, info = sample
     app = _app(con, info)
-    from kvprof.ui.app import KvprofTop
+    from kvprof.views.tui.app import KvprofTop
 
     names = [b.description for b in KvprofTop.BINDINGS]
     assert {"Pause", "Window", "Device", "Process", "Export", "Quit"} <= set(names)
@@ -269,7 +269,7 @@ def _panel_app(widget):
                                         ("gpu", (80, 2)), ("findings", (80, 5))])
 def test_panel_snapshot(snap_compare, sample, panel, size):
     """Each panel alone, on the sample paused at its end (a frozen clock)."""
-    from kvprof.ui.app import FindingsLine, GpuLine, HeaderBar, PhasePanel, Timeline
+    from kvprof.views.tui.app import FindingsLine, GpuLine, HeaderBar, PhasePanel, Timeline
 
     con, info = sample
     snap = build_snapshot(SqlRows(con), None, info.end_ns)
@@ -392,7 +392,7 @@ def test_live_numbers_move_within_a_second_of_the_io(loopdev, tmp_path):
 def test_phase_panel_shows_each_kv_cache_where_it_has_room():
     """With the syscall layer, a panel adds the application's file bandwidth and then one
     line per KV cache, busiest first, as far as its height allows."""
-    from kvprof.ui.app import PhasePanel
+    from kvprof.views.tui.app import PhasePanel
     from tests.test_live_cache import NS, Session
 
     sess = Session(seconds=4, rate=2000)

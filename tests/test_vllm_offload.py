@@ -15,8 +15,8 @@ from pathlib import Path
 import duckdb
 
 from kvprof import schema
-from kvprof.correlate import summarize
-from kvprof.rowsource import SqlRows, ViewFilter
+from kvprof.analysis.correlate import summarize
+from kvprof.analysis.rowsource import SqlRows, ViewFilter
 from tests.conftest import (
     READ_SECTORS,
     WRITE_SECTORS,

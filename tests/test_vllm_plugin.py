@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvprof.phases.marks import MarkServer
+from kvprof.phases.mark_server import MarkServer
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP = "vllm.stat_logger_plugins"

@@ -5,7 +5,7 @@ second, device, layer, op) and the time each device had a request in flight into
 slot and the second it was accounted in); see probes/kvprof.h. A key is taken and deleted
 once its second is SETTLE_S over: no probe writes to it any more, so deleting it cannot drop
 an update. At the end (probes detached) every key is taken. The rows carry no phase: the
-recorder folds them into io_agg and device_busy rows by the phase windows (kvprof/fold.py,
+recorder folds them into io_agg and device_busy rows by the phase windows (kvprof/analysis/fold.py,
 which keeps them until the sources' windows have come), and capture knows nothing of phases.
 """
 from __future__ import annotations

@@ -29,10 +29,10 @@ from kvprof.capture.gds import find_cufile, usdt_contexts
 from kvprof.capture.layout import Code, Struct, check_codes, check_structs, int_defines
 from kvprof.capture.procs import ProcessTable
 from kvprof.capture.ringbuf import RingReader
+from kvprof.capture.sampling import Sampler
 from kvprof.devices import Device, by_number
 from kvprof.errors import EX_UNAVAILABLE, KvprofError
 from kvprof.privileges import SYS_BPF
-from kvprof.sampling import Sampler
 from kvprof.system import tracefs
 
 # struct kvprof_io in probes/kvprof.h, as numpy reads it (checked at load: LAYOUTS).
@@ -165,7 +165,7 @@ class Capture:
                  cache_rules: tuple[caches.Rule, ...] = caches.BUILTIN,
                  device_events: bool = True, event_rate: int = 0):
         """`event_rate`: device-layer rows a second the event tier keeps before it samples
-        (0: every one; kvprof/sampling.py)."""
+        (0: every one; kvprof/capture/sampling.py)."""
         from kvprof.capture.bccload import load_bcc
 
         self.bcc = load_bcc()

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvprof.phase_sources import PHASE_SOURCE_KINDS
 from kvprof.errors import EX_USAGE, KvprofError
+from kvprof.phase_sources import PHASE_SOURCE_KINDS
+
 
 @dataclass(frozen=True)
 class SourceSpec:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvprof import schema
-from kvprof.iocache import IoCache, Rows
+from kvprof.analysis.iocache import IoCache, Rows
 
 GRID_NS = 1_000_000_000
 NL, NOPS = len(schema.LAYERS), len(schema.OPS)

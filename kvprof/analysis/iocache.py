@@ -6,7 +6,7 @@ The live dashboard rebuilds its numbers twice a second. Re-running the store's S
 0.5 s for the million rows of a 10 s window at 100 k events/s). Here the rows arrive once; a
 time span is then a slice found by binary search (rows are in issue order, and an I/O belongs
 to the phase window holding its issue time), busy islands are extended as rows arrive with no
-sort, and running byte sums give any span's bytes by two lookups. kvprof/rollup.py keeps the
+sort, and running byte sums give any span's bytes by two lookups. `rollup.py` keeps the
 per-second aggregates built from these rows; `rowsource.LiveRows` answers correlate from them
 when the cache holds the window and with SQL otherwise, and the tests hold both equal.
 """
@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from kvprof import schema
-from kvprof.intervals import busy_islands_ordered
-from kvprof.store import weighted_bytes
+from kvprof.analysis.intervals import busy_islands_ordered
+from kvprof.store.session import weighted_bytes
 
 # Columns kept per I/O: what correlate and the dashboard read, as small fixed-width numbers.
 _DTYPES = {

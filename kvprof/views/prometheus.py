@@ -20,7 +20,7 @@ reason; never a pid, a file or a path.
     kvprof_build_info{version,kernel,host,session}      gauge, 1
 
 The phase of the io and busy series is that of the window holding the request's issue time,
-folded per issue slot as for the report's `exact` section (kvprof/fold.py). A second is
+folded per issue slot as for the report's `exact` section (kvprof/analysis/fold.py). A second is
 published once the recorder has folded it for good, `record --settle` seconds (default 5)
 after it, when the phase sources have sent their windows for it; the idle ratio divides the
 busy time by the phase's time over that same settled span (correlate.idle_pct).
@@ -35,11 +35,15 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import pyarrow as pa
 from prometheus_client import make_wsgi_app
-from prometheus_client.core import (CollectorRegistry, CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily)
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 from kvprof import schema
-from kvprof.correlate import idle_pct
+from kvprof.analysis.correlate import idle_pct
 from kvprof.errors import EX_USAGE, KvprofError
 
 # Latency buckets: the kernel's log2 slots of service time (slot i holds [2^(i-1), 2^i) ns),

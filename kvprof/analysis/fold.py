@@ -20,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import schema
-from kvprof.schema import AGG_SLOTS as HIST_SLOTS
 from kvprof.schema import AGG_ROW, BUSY_ROW, SLOT_NS
+from kvprof.schema import AGG_SLOTS as HIST_SLOTS
 
 NS_PER_S = 1_000_000_000
 

@@ -1,11 +1,11 @@
 """What the dashboard shows at one moment, as frozen data built off the UI thread.
 
-`build_snapshot` asks correlate for the frame of the chosen window (kvprof/correlate.py
+`build_snapshot` asks correlate for the frame of the chosen window (kvprof/analysis/correlate.py
 computes every number: the report of the window, rates, timeline, GPU means, recent
 activity) and assembles it into a `Snapshot`. Widgets only render the newest snapshot, so
 they never see a half-built state. `SnapshotFeed` is the one background thread that rebuilds
 it on an interval, from its own row source (the row cache in front of SQL: see
-kvprof/rowsource.py). Nothing here imports textual or duckdb.
+kvprof/analysis/rowsource.py). Nothing here imports textual or duckdb.
 """
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kvprof import correlate, schema
-from kvprof.findings import findings
-from kvprof.rowsource import Interrupted, RowSource, ViewFilter, for_feed
-from kvprof.store import Reader
-from kvprof.units import engine_parts
-from kvprof.summary import PhaseStats as PhaseReport
+from kvprof import schema
+from kvprof.analysis import correlate
+from kvprof.analysis.rowsource import Interrupted, RowSource, ViewFilter, for_feed
+from kvprof.store.session import Reader
 from kvprof.summary import DeviceLayer, Summary
+from kvprof.summary import PhaseStats as PhaseReport
+from kvprof.units import engine_parts
+from kvprof.views.findings import findings
 
 NS = 1_000_000_000
 WINDOWS_S: tuple[float | None, ...] = (10.0, 60.0, None)  # None: the whole session

@@ -24,10 +24,10 @@ from textual.widgets import Footer, Static
 
 from kvprof import schema
 from kvprof.errors import KvprofError
-from kvprof.export import export_session
-from kvprof.snapshot import NS, WINDOWS_S, Clock, Snapshot, SnapshotFeed, ViewRequest
-from kvprof.store import Reader
+from kvprof.store.parquet import export_session
+from kvprof.store.session import Reader
 from kvprof.units import human_us, size_label
+from kvprof.views.snapshot import NS, WINDOWS_S, Clock, Snapshot, SnapshotFeed, ViewRequest
 
 PHASE_COLOURS = {"prefill": "#e5a50a", "decode": "#3584e4", "mixed": "#c061cb",
                  "idle": "#5e5c64"}

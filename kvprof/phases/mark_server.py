@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import grp
 import json
 import os
-import socket
-import grp
 import pwd
+import socket
 import stat
 import struct
 import threading

@@ -19,9 +19,9 @@ data is refused unless --force.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import re
 import shutil
 import socket
 import stat
@@ -39,6 +39,7 @@ from kvprof.calibration import (
     Pattern,
     identity,
     read_attr,
+    save,
     sysfs_dir,
 )
 from kvprof.devices import Device, by_number, resolve
@@ -246,3 +247,20 @@ def calibrate(spec: str, runtime_s: float = 5.0, size: int = 1 << 30, force: boo
             "target": spec, "host": socket.gethostname(), "when_wall_ns": time.time_ns(),
             "runtime_s": runtime_s, "size_bytes": target.size, "fio": version,
             "patterns": results}
+
+
+def run(args: argparse.Namespace) -> int:
+    unknown = [n for n in args.pattern if n not in BY_NAME]
+    if unknown:
+        raise KvprofError(f"unknown pattern {unknown[0]!r}; patterns: " + ", ".join(BY_NAME),
+                          EX_USAGE)
+    if args.runtime <= 0:
+        raise KvprofError("--runtime must be positive", EX_USAGE)
+    result = calibrate(args.target, args.runtime, args.size, args.force,
+                                 tuple(args.pattern))
+    path = save(result)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    print(f"kvprof: kept for {result['key']} in {path}" if path else
+          "kvprof: not kept: the target has no block device of its own", file=sys.stderr)
+    return 0

@@ -8,19 +8,18 @@ totals are, by construction, the sum of its sessions' reports.
 """
 from __future__ import annotations
 
-from typing import Literal
-
 from pathlib import Path
+from typing import Literal
 
 import duckdb
 
 from kvprof import schema
-from kvprof.correlate import MAIN_OPS, idle_pct, per_second, summarize
+from kvprof.analysis.correlate import MAIN_OPS, idle_pct, per_second, summarize
+from kvprof.analysis.rowsource import SqlRows
 from kvprof.errors import EX_NOINPUT, KvprofError
-from kvprof.rowsource import SqlRows
-from kvprof.store import load_parquet, unreadable
+from kvprof.store.session import load_parquet, unreadable
+from kvprof.summary import DEVICE_LAYERS, PhaseStats
 from kvprof.units import human_bytes
-from kvprof.summary import DEVICE_LAYERS, PhaseStats, Summary
 
 LAYERS: tuple[Literal["block", "io_uring", "syscall"], ...] = (*DEVICE_LAYERS, "syscall")
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvprof import schema
-from kvprof.correlate import MAIN_OPS, phase_layer
-from kvprof.units import human_bytes, human_us, size_label
+from kvprof.analysis.correlate import MAIN_OPS, phase_layer
 from kvprof.summary import OpStats, PhaseStats, Summary
+from kvprof.units import human_bytes, human_us, size_label
 
 # Requests at least this large count as bulk transfers, below SMALL_BYTES as point lookups.
 LARGE_BYTES = 128 << 10

@@ -13,8 +13,8 @@ spans, each with its phase, from `fold.flatten`), a time range and a view filter
 
 `SqlRows` answers with DuckDB queries over the store (the report, exports, any recorded
 session). `LiveRows` answers from the dashboard's row cache and its per-second rollup
-(kvprof/iocache.py, kvprof/rollup.py) when they hold the span asked about, and passes the
-question to its `SqlRows` when they do not. Correlate computes each measure once from the
+(`iocache.py`, `rollup.py`) when they hold the span asked about, and passes the question to
+its `SqlRows` when they do not. Correlate computes each measure once from the
 answers; tests/test_live_cache.py holds both implementations to the same numbers.
 """
 from __future__ import annotations
@@ -27,12 +27,19 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from kvprof import rollup, schema
-from kvprof.intervals import busy_islands, busy_islands_ordered
-from kvprof.iocache import IoCache
-from kvprof.rollup import GRID_NS, Rollup
-from kvprof.store import (Reader, SessionInfo, missing_columns, phase_windows, session_info,
-                          weighted_bytes)
+from kvprof import schema
+from kvprof.analysis import rollup
+from kvprof.analysis.intervals import busy_islands, busy_islands_ordered
+from kvprof.analysis.iocache import IoCache
+from kvprof.analysis.rollup import GRID_NS, Rollup
+from kvprof.store.session import (
+    Reader,
+    SessionInfo,
+    missing_columns,
+    phase_windows,
+    session_info,
+    weighted_bytes,
+)
 
 NS = 1_000_000_000
 # A view switched while its SQL still runs: the feed catches this and builds the new view.

@@ -8,20 +8,19 @@ Numbers come from correlate (the summary and its timeline); nothing is computed 
 """
 from __future__ import annotations
 
-from typing import Literal
-
 import html
 from datetime import datetime, timezone
+from typing import Literal
 
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
 from kvprof import schema
-from kvprof.correlate import MAIN_OPS, device_layer, phase_layer
-from kvprof.findings import findings
+from kvprof.analysis.correlate import MAIN_OPS, device_layer, phase_layer
+from kvprof.summary import Summary
 from kvprof.units import engine_parts, human_bytes, human_us, size_label
-from kvprof.summary import PhaseStats, Summary
+from kvprof.views.findings import findings
 
 COLOURS = {"prefill": "#e5a50a", "decode": "#3584e4", "mixed": "#9141ac", "idle": "#77767b"}
 OP_DASH = {"read": None, "write": "/"}
@@ -226,10 +225,10 @@ def report_html(summary: Summary, timeline: dict, name: str) -> str:
     return page.render()
 
 
-def compare_html(result: dict, a: dict, b: dict, timelines: tuple[dict, dict],
+def compare_html(result: dict, a: Summary, b: Summary, timelines: tuple[dict, dict],
                  names: tuple[str, str]) -> str:
     """`kvprof compare --html`: the figures' table, A and B side by side, both timelines."""
-    from kvprof.compare import value_text
+    from kvprof.views.compare import value_text
 
     page = _Page(f"kvprof compare {names[0]} {names[1]}")
     page.add(f"<h1>kvprof compare</h1><p class=\"meta\">A: {html.escape(names[0])} "

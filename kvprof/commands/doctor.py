@@ -1,6 +1,7 @@
 """`kvprof doctor`: one line per requirement of live capture, with the fix when it fails."""
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from pathlib import Path
@@ -131,3 +132,7 @@ def run_doctor() -> int:
             print(f"     {'':<20} fix: {c.fix}")
     required_failed = [c for c in checks if not c.ok and c.required]
     return 1 if required_failed else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_doctor()

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 
 from kvprof import __version__, schema
 from kvprof.errors import EX_DATAERR, EX_USAGE, KvprofError
-from kvprof.store import Reader, missing_columns
+from kvprof.store.session import Reader, missing_columns
 
 
 def export_parquet(con: duckdb.DuckDBPyConnection, out_dir: str | Path, hive: bool = False,

@@ -6,7 +6,7 @@ tier is folded by too): the more exact source wins, and among equals the later-s
 window. A phase's idle time is its time with no block request in flight,
 also counting requests issued before the window began.
 
-The rows come from a `RowSource` (kvprof/rowsource.py): SQL over the store (the report,
+The rows come from a `RowSource` (kvprof/analysis/rowsource.py): SQL over the store (the report,
 exports, any view of a recorded session), or the live dashboard's row cache and its rollup.
 Both answer the same questions; this module turns the answers into the report (`summarize`)
 and the dashboard's frame (`frame`: the report plus rates, timeline, GPU means and recent
@@ -15,19 +15,18 @@ activity). Reads only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
 
 from kvprof import calibration, schema
-from kvprof.fold import flatten
-from kvprof.schema import SLOT_NS
-from kvprof.intervals import busy_between
-from kvprof.rollup import GRID_NS
-from kvprof.rowsource import (
+from kvprof.analysis.fold import flatten
+from kvprof.analysis.intervals import busy_between
+from kvprof.analysis.rollup import GRID_NS
+from kvprof.analysis.rowsource import (
     CacheRow,
     IslandsOf,
     Pieces,
@@ -36,23 +35,24 @@ from kvprof.rowsource import (
     ViewFilter,
     WritebackRow,
 )
-from kvprof.store import SessionInfo
+from kvprof.schema import SLOT_NS
+from kvprof.store.session import SessionInfo
 from kvprof.summary import (
     DEVICE_LAYERS,
     LAYERS,
     MAIN_OPS,
-    MainOp,
     BlockLayer,
-    Capacity,
     CacheOp,
     CacheStats,
-    DeviceLayer,
+    Capacity,
     Count,
     DeviceIdle,
+    DeviceLayer,
     Engine,
     Exact,
     GdsLayer,
     LayerOps,
+    MainOp,
     OpCapacity,
     OpStats,
     PhaseEngine,

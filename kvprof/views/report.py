@@ -1,16 +1,15 @@
 """`kvprof report`: the summary from correlate, as text for people or JSON for scripts."""
 from __future__ import annotations
 
-from typing import Literal
-
 import json
 import textwrap
 from datetime import datetime, timezone
+from typing import Literal
 
 from kvprof import schema
-from kvprof.findings import findings
+from kvprof.summary import DEVICE_LAYERS, LAYERS, Engine, Exact, OpCapacity, Summary
 from kvprof.units import engine_parts, human_bytes, human_us, size_label
-from kvprof.summary import DEVICE_LAYERS, LAYERS, Engine, Exact, OpCapacity, PhaseStats, Summary
+from kvprof.views.findings import findings
 
 WIDTH = 80
 

@@ -2,25 +2,27 @@
 
 Live: `record()` runs in a background thread and writes the session as usual (so the run can
 be replayed later); the dashboard's feed reads it through its own cursor. The UI itself lives
-in kvprof.ui and is imported only here, when a dashboard is actually shown.
+in kvprof.views.tui and is imported only here, when a dashboard is actually shown.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from kvprof import system
-from kvprof.record import BackgroundRecorder, RecordOptions
-from kvprof.snapshot import Clock
-from kvprof.store import Reader, open_replay, session_info
+from kvprof.commands.record import BackgroundRecorder, RecordOptions, layers_from_args
+from kvprof.errors import EX_USAGE, KvprofError
+from kvprof.store.session import Reader, open_replay, session_info
+from kvprof.views.snapshot import Clock
 
 
 def run_replay(source: str, interval_s: float = 0.5, window_s: float | None = None) -> int:
     """Open a recorded session (directory, .duckdb file or Parquet export) paused at its
     end, showing the whole session: the first screen matches `kvprof report`."""
-    from kvprof.ui.app import KvprofTop
+    from kvprof.views.tui.app import KvprofTop
 
     con = open_replay(source)
     try:
@@ -46,7 +48,7 @@ def run_live(opts: RecordOptions, interval_s: float = 0.5, window_s: float | Non
     """
     # Privilege first, before any screen is drawn: one line and exit 77, like record.
     system.require_privilege()
-    from kvprof.ui.app import KvprofTop
+    from kvprof.views.tui.app import KvprofTop
 
     log = log or (lambda line: print(line, file=sys.stderr))
     errors: list[BaseException] = []
@@ -100,3 +102,24 @@ def run_live(opts: RecordOptions, interval_s: float = 0.5, window_s: float | Non
     for line in rec.log:
         log(line)
     return rc
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise KvprofError("--interval must be positive", EX_USAGE)
+    if args.replay:
+        return run_replay(args.replay, interval_s=args.interval)
+    system.require_privilege()  # one line and exit 77 before any screen, like record
+    if not sys.stdout.isatty():
+        raise KvprofError("kvprof top needs a terminal; use kvprof record for a script",
+                          EX_USAGE)
+    opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
+                         cgroups=args.cgroup, layers=layers_from_args(args),
+                         duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
+                         caches=args.caches, max_size=args.max_size,
+                         event_rate=args.event_rate, prometheus=args.prometheus,
+                         settle_s=args.settle,
+                         socket_mode=args.socket_mode, socket_group=args.socket_group,
+                         allow_senders=args.allow_sender,
+                         drop_privileges=not args.keep_privileges)
+    return run_live(opts, interval_s=args.interval)

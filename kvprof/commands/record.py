@@ -1,6 +1,7 @@
 """`kvprof record`: capture + phase marks -> session store, until Ctrl-C, SIGTERM or --duration."""
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import os
@@ -22,20 +23,20 @@ from typing import TYPE_CHECKING
 import duckdb
 import pyarrow as pa
 
-from kvprof import __version__, caches, calibration, privileges, schema, system
+from kvprof import __version__, caches, calibration, layers, privileges, schema, system
+from kvprof.analysis.fold import WindowBook
+from kvprof.capture.sampling import row as sampling_row
 from kvprof.devices import Device, queue_limits, resolve
-from kvprof.fold import WindowBook
-from kvprof.schema import SLOT_NS
 from kvprof.errors import EX_IOERR, EX_UNAVAILABLE, EX_USAGE, KvprofError
 from kvprof.markers import socket_path
 from kvprof.phases import registry
-from kvprof.sampling import row as sampling_row
-from kvprof.store import DB_FILE, Store, recorder_identity, segment_path, segments
+from kvprof.schema import SLOT_NS
+from kvprof.store.session import DB_FILE, Store, recorder_identity, segment_path, segments
 
 if TYPE_CHECKING:
     from kvprof.capture.ebpf import Capture, CaptureFilter
-    from kvprof.exporter import Exporter
-    from kvprof.phases.marks import MarkServer
+    from kvprof.phases.mark_server import MarkServer
+    from kvprof.views.prometheus import Exporter
 
 FLUSH_INTERVAL_S = 0.25
 RESERVE_BYTES = 4 << 20
@@ -216,7 +217,7 @@ class Recorder:
 
         from kvprof.capture.bccload import bcc_version
         from kvprof.capture.ebpf import Capture
-        from kvprof.phases.marks import MarkServer, group_id, user_id
+        from kvprof.phases.mark_server import MarkServer, group_id, user_id
 
         if self.stop is self._flag.event:
             self._flag.install()
@@ -232,7 +233,7 @@ class Recorder:
         metrics_host = None
         if opts.prometheus is not None:
             # Bound before anything attaches: a taken port fails without leaving a session.
-            from kvprof.exporter import Exporter
+            from kvprof.views.prometheus import Exporter
 
             self.exporter = Exporter({})
             self.exporter.bind(opts.prometheus)
@@ -727,3 +728,44 @@ class BackgroundRecorder:
         if self.error is not None:
             err, self.error = self.error, None
             raise err
+
+
+# -- `kvprof record` -----------------------------------------------------------------------
+
+def layers_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """--layer as given; by default the device layers, and the file syscalls of the selected
+    processes (system-wide, every read and write of every process would be traced)."""
+    if args.layer:
+        return tuple(dict.fromkeys(args.layer))
+    from kvprof.capture.gds import find_cufile
+
+    chosen = list(layers.DEVICE_NAMES)
+    if args.pid or args.cgroup:
+        # The process layers this kernel has the tracepoints for; gds attaches to libcufile
+        # instead, where it is installed.
+        chosen += [x.name for x in layers.LAYERS if not x.device and x.tracepoints
+                   and all(system.tracepoint_available(t) for t in x.tracepoints)]
+        if find_cufile():
+            chosen.append(layers.GDS.name)
+    return tuple(chosen)
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
+                         cgroups=args.cgroup, layers=layers_from_args(args),
+                         duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
+                         caches=args.caches, events=args.events, max_size=args.max_size,
+                         event_rate=args.event_rate, roll=args.roll,
+                         settle_s=args.settle,
+                         prometheus=args.prometheus, socket_mode=args.socket_mode,
+                         socket_group=args.socket_group, allow_senders=args.allow_sender,
+                         drop_privileges=not args.keep_privileges)
+    if args.ebpf:
+        from kvprof.capture.ebpf import build_program
+
+        prog = build_program(opts.layers, resolve_filters(opts), device_events=opts.events)
+        print("// cflags: " + " ".join(prog.cflags))
+        print(prog.text)
+        return 0
+    record(opts)
+    return 0

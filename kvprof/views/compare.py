@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 from kvprof import schema
-from kvprof.correlate import MAIN_OPS, phase_layer
+from kvprof.analysis.correlate import MAIN_OPS, phase_layer
 from kvprof.errors import EX_USAGE, KvprofError
+from kvprof.summary import Summary
 from kvprof.units import human_bytes, human_us
-from kvprof.summary import PhaseStats, Summary
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""One module per CLI verb: what `kvprof VERB` runs (the parser is kvprof/cli.py)."""

@@ -1,0 +1,1 @@
+"""Rows kept: the DuckDB session (session.py) and its Parquet export (parquet.py)."""
