@@ -71,6 +71,7 @@ class Synth:
             "cache": pa.nulls(n, pa.string()),
             "inode": pa.nulls(n, pa.uint64()),
             "sample_weight": pa.array(np.ones(n, np.uint32)),
+            "fetched_bytes": pa.nulls(n, pa.uint64()),  # (syscall reads only)
         }, schema=schema.IO)
         tbl = tbl.take(np.argsort(issue + lat, kind="stable"))
         done = np.asarray(tbl["complete_ns"]) < t_to
