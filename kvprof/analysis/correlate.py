@@ -28,6 +28,7 @@ from kvprof.analysis.intervals import busy_between
 from kvprof.analysis.rollup import GRID_NS
 from kvprof.analysis.rowsource import (
     CacheRow,
+    GpuMeans,
     IslandsOf,
     Pieces,
     RowSource,
@@ -630,7 +631,7 @@ class Frame:
     bin_ns: int
     # (bin start, the phase covering most of it or None outside the session, bytes)
     timeline: list[tuple[int, str | None, int]]
-    gpu: dict[str, Any] | None  # GPU means over the window, None with `gpu_note` saying why
+    gpu: GpuMeans | None  # GPU means over the window, None with `gpu_note` saying why
     gpu_note: str
     recent: int  # I/O issued in the last second of the window
     devices: list[str]  # the traced devices and every device of the window
@@ -748,11 +749,7 @@ def _rates(p: str, ph: PhaseStats, cell_bytes: dict[tuple[str, str, str], np.nda
     return out
 
 
-GPU_FIELDS = ("util_pct", "mem_util_pct", "sm_active_pct", "power_w", "pcie_rx_bytes_per_s",
-              "pcie_tx_bytes_per_s")
-
-
-def gpu_means(rows: RowSource, t0: int, t1: int) -> tuple[dict[str, Any] | None, str]:
+def gpu_means(rows: RowSource, t0: int, t1: int) -> tuple[GpuMeans | None, str]:
     """Means of the GPU samples in [t0, t1) (a field a GPU does not support is left out, not
     counted as zero), or None and why there are none."""
     row = rows.gpu(t0, t1)
@@ -761,5 +758,4 @@ def gpu_means(rows: RowSource, t0: int, t1: int) -> tuple[dict[str, Any] | None,
     if not row.samples:
         return None, ("no GPU samples in this window" if row.session_samples else
                       "no GPU data: no NVML samples (no GPU, or not recorded with --phases nvml)")
-    return {"gpus": int(row.gpus), "samples": int(row.samples),
-            **{f: getattr(row, f) for f in GPU_FIELDS}}, ""
+    return row, ""

@@ -750,16 +750,22 @@ def layers_from_args(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(chosen)
 
 
-def run(args: argparse.Namespace) -> int:
-    opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
+def options_from_args(args: argparse.Namespace) -> RecordOptions:
+    """The recording `kvprof record` asks for, or `kvprof top` (which has neither --roll nor
+    --no-events: the dashboard reads one segment, with its rows)."""
+    return RecordOptions(out=args.output, devices=args.device, pids=args.pid,
                          cgroups=args.cgroup, layers=layers_from_args(args),
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
-                         caches=args.caches, events=args.events, max_size=args.max_size,
-                         event_rate=args.event_rate, roll=args.roll,
-                         settle_s=args.settle,
+                         caches=args.caches, events=getattr(args, "events", True),
+                         max_size=args.max_size, event_rate=args.event_rate,
+                         roll=getattr(args, "roll", None), settle_s=args.settle,
                          prometheus=args.prometheus, socket_mode=args.socket_mode,
                          socket_group=args.socket_group, allow_senders=args.allow_sender,
                          drop_privileges=not args.keep_privileges)
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = options_from_args(args)
     if args.ebpf:
         from kvprof.capture.ebpf import build_program
 

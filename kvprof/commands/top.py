@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvprof import system
-from kvprof.commands.record import BackgroundRecorder, RecordOptions, layers_from_args
+from kvprof.commands.record import BackgroundRecorder, RecordOptions, options_from_args
 from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.store.session import Reader, open_replay, session_info
 from kvprof.views.snapshot import Clock
@@ -113,13 +113,4 @@ def run(args: argparse.Namespace) -> int:
     if not sys.stdout.isatty():
         raise KvprofError("kvprof top needs a terminal; use kvprof record for a script",
                           EX_USAGE)
-    opts = RecordOptions(out=args.output, devices=args.device, pids=args.pid,
-                         cgroups=args.cgroup, layers=layers_from_args(args),
-                         duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
-                         caches=args.caches, max_size=args.max_size,
-                         event_rate=args.event_rate, prometheus=args.prometheus,
-                         settle_s=args.settle,
-                         socket_mode=args.socket_mode, socket_group=args.socket_group,
-                         allow_senders=args.allow_sender,
-                         drop_privileges=not args.keep_privileges)
-    return run_live(opts, interval_s=args.interval)
+    return run_live(options_from_args(args), interval_s=args.interval)

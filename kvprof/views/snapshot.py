@@ -17,7 +17,7 @@ from typing import Callable
 
 from kvprof import schema
 from kvprof.analysis import correlate
-from kvprof.analysis.rowsource import Interrupted, RowSource, ViewFilter, for_feed
+from kvprof.analysis.rowsource import GpuMeans, Interrupted, RowSource, ViewFilter, for_feed
 from kvprof.store.session import Reader
 from kvprof.summary import DeviceLayer, Summary
 from kvprof.summary import PhaseStats as PhaseReport
@@ -73,18 +73,6 @@ class Bin:
 
 
 @dataclass(frozen=True)
-class GpuStats:
-    gpus: int
-    samples: int
-    util_pct: float | None
-    mem_util_pct: float | None
-    sm_active_pct: float | None
-    power_w: float | None
-    pcie_rx_bytes_per_s: float | None
-    pcie_tx_bytes_per_s: float | None
-
-
-@dataclass(frozen=True)
 class Snapshot:
     host: str
     devices: tuple[str, ...]
@@ -101,7 +89,7 @@ class Snapshot:
     phases: tuple[PhaseStats, ...]
     timeline: tuple[Bin, ...]
     bin_ns: int
-    gpu: GpuStats | None
+    gpu: GpuMeans | None  # correlate's means over the window
     gpu_note: str
     findings: tuple[str, ...]
     notes: tuple[str, ...]
@@ -176,7 +164,7 @@ def build_snapshot(rows: RowSource, window_s: float | None, now_ns: int,
         window_s=window_s, filters=filters, events_per_s=float(f.recent),
         lost_events=s["lost_events"], phases=phases,
         timeline=tuple(Bin(*b) for b in f.timeline), bin_ns=f.bin_ns,
-        gpu=GpuStats(**f.gpu) if f.gpu else None, gpu_note=f.gpu_note,
+        gpu=f.gpu, gpu_note=f.gpu_note,
         findings=tuple(x.text for x in findings(f.summary)), notes=tuple(notes),
         device_choices=tuple(f.devices), process_choices=f.processes,
         build_s=time.perf_counter() - started, summary=f.summary)
