@@ -65,6 +65,12 @@ def seconds(rows: list[dict], phases=("prefill",)) -> float:
     return sum(r["end_ns"] - r["start_ns"] for r in rows if r["phase"] in phases) / 1e9
 
 
+def brief(rows: list[dict], t0: int, phases=("prefill", "mixed", "decode")) -> list[tuple]:
+    """Windows as (phase, start s, end s, prefill, decode tokens) from t0: a failure's story."""
+    return [(r["phase"], round((r["start_ns"] - t0) / 1e9, 3), round((r["end_ns"] - t0) / 1e9, 3),
+             r["prefill_tokens"], r["decode_tokens"]) for r in rows if r["phase"] in phases]
+
+
 def tokens(rows: list[dict], key: str) -> int:
     return sum(r[key] or 0 for r in rows)
 
@@ -121,7 +127,9 @@ def test_hook_and_metrics_windows_follow_the_engines_own_accounting(vllm, loopde
     assert tokens(scraped, "prefill_tokens") == prompt
     assert tokens(scraped, "decode_tokens") == decode
     metrics_prefill_s = seconds(windows(rec.out, "metrics", t0, t_seq))
-    assert metrics_prefill_s == pytest.approx(engine_prefill_s, rel=0.35)
+    assert metrics_prefill_s == pytest.approx(engine_prefill_s, rel=0.35), \
+        (brief(windows(rec.out, "metrics", t0, t_seq), t0),
+         brief(windows(rec.out, "hook", t0, t_seq), t0, phases=("prefill", "mixed")))
     assert "prefill" in {w["phase"] for w in windows(rec.out, "metrics", t0, t_seq)}
     assert all(w["confidence"] < 1.0 for w in scraped if w["phase"] == "prefill")
     print(f"engine: {steps:.0f} steps, {prompt:.0f} prompt and {decode:.0f} decode tokens, "

@@ -31,7 +31,9 @@ What the engines' counters can and cannot say:
   (`WindowTrack._carve`): the prefill lasted Δ`time_to_first_token_seconds_sum` (one
   request's, or several run one after another, at most the interval plus their mean) and
   ended the Δ`inter_token_latency_seconds_sum` per running request before the scrape (the
-  decode that followed); it reaches back over quiet intervals, and
+  decode that followed); it reaches back over quiet intervals but not over the end of the
+  request before (its first token + its `request_decode_time_seconds`, when it finished
+  with nothing else running: its decode window ends there, not at the scrape), and
   reads mixed where requests were already decoding. Such windows are placed to within one
   scrape interval and carry confidence 0.5; their length and tokens are the engine's.
   When `vllm:num_requests_running` > 0 while no counter moves
@@ -99,6 +101,13 @@ class Carve:
     finished_decode_ns: int | None = None
 
 
+@dataclass(frozen=True)
+class Ended:
+    """An interval after which the engine ran nothing, its one request having finished."""
+    decode_ns: int  # that request's decode time (last token - first)
+    steps_ns: int  # the inter-token time counted in the interval
+
+
 class WindowTrack(Track):
     """The windows of one engine, fed consecutive scrape intervals. Not thread-safe.
 
@@ -121,14 +130,30 @@ class WindowTrack(Track):
         return rows
 
     def step(self, t0: int, t1: int, prefill: int, decode: int, busy: bool = False,
-             confidence: float = 1.0, carve: Carve | None = None) -> list[dict]:
+             confidence: float = 1.0, carve: Carve | None = None,
+             ended: Ended | None = None) -> list[dict]:
         """Label [t0, t1). Where the engine says how long the prefills that completed in it
-        ran (`carve`), they are carved out by time (see `_carve`)."""
+        ran (`carve`), they are carved out by time (see `_carve`). `ended`: the engine ran
+        nothing at t1, its last request having finished in the interval: the decode window
+        ends where it did, not at t1."""
         phase = step_phase(prefill, decode)
         out: list[dict] = []
         if prefill and carve is not None:
             self.busy_since = None
             return self._carve(t0, t1, prefill, decode, carve)
+        if phase == "decode" and ended is not None and self.busy_since is None:
+            # Its stream's steps follow each other from its first token: the engine went
+            # idle at first token + decode time. Without this the window would reach the
+            # scrape, and a prefill that began meanwhile would be cut at the window's end.
+            # The steps counted here came after the last scrape read the counters: the end
+            # is no earlier than t0 + their time (a scrape answered late can otherwise put
+            # the end before t0).
+            done = t0 + ended.steps_ns
+            if self.last_first is not None:
+                done = max(done, self.last_first + ended.decode_ns)
+            self.last_first = None  # (that request is over: a later finish is another's)
+            out += self.add(phase, t0, min(t1, done), INFERRED_CONFIDENCE, (0, decode))
+            return out + self.close()
         if phase == "idle":
             if busy:
                 if self.busy_since is None:
@@ -175,11 +200,10 @@ class WindowTrack(Track):
             w.phase in ("decode", "mixed")  # type: ignore[union-attr]
         floor = max(self.last_end, w.end_ns if w is not None else 0)
         first = max(t0, t1 - c.after_ns)
+        done = t0  # where the request that finished here ended, if one did
         if c.finished_decode_ns is not None and self.last_first is not None and not decoding:
             # The request before ended here; this prefill began after it.
-            done = min(t1, self.last_first + c.finished_decode_ns)
-            if touching and w.phase == "decode" and done > t0:  # type: ignore[union-attr]
-                w.extend(t0, done, INFERRED_CONFIDENCE)  # type: ignore[union-attr]
+            done = max(t0, min(t1, self.last_first + c.finished_decode_ns))
             floor = max(floor, done)
             first = max(first, done + c.prefill_ns)
         first = min(t1, first)
@@ -190,6 +214,15 @@ class WindowTrack(Track):
             return self.add(step_phase(prefill, decode), t0, t1, INFERRED_CONFIDENCE,
                             (prefill, decode) if self.counts_are_tokens else None)
         after = bool(decode) and first < t1
+        if done > t0:
+            # The finished request's last steps came before this prefill: its decode, with
+            # the decode tokens shared by time between it and the new request's first steps.
+            before = decode if not after else round(decode * (done - t0) /
+                                                    ((done - t0) + (t1 - first)))
+            out += self.add("decode", t0, done, INFERRED_CONFIDENCE, (0, before))
+            decode -= before
+            after = bool(decode) and first < t1
+        w = self.open
         if w is not None and start > w.end_ns:
             out += self.close()
         out += self.add("mixed" if decoding or (decode and not after) else "prefill", start,
@@ -219,6 +252,7 @@ class Step:
     busy: bool = False
     confidence: float = 1.0
     carve: Carve | None = None  # what the engine measured of the prefills completed in it
+    ended: Ended | None = None  # the engine went idle after its last request finished
 
 
 def _engine_name(base: str, rank: str) -> str:
@@ -396,7 +430,7 @@ class MetricsSource(PhaseSource):
                 continue
             step = self.split(delta, last, now, (ts_ns - prev_ts) / 1e9)
             self._emit_rows(track.step(prev_ts, ts_ns, step.prefill, step.decode, step.busy,
-                                       step.confidence, step.carve))
+                                       step.confidence, step.carve, step.ended))
 
     def _record_engine_metrics(self, ts_ns: int, samples: list[Sample]) -> None:
         seen: dict[tuple[str, str], float] = {}
@@ -482,8 +516,14 @@ class VllmMetrics(MetricsSource):
         firsts = _delta(delta, "first_tokens")
         decode = max(0, _delta(delta, "generation") - firsts)
         prefill = _delta(delta, "prompt")
+        finished = _delta(delta, "finished")
+        decode_s = delta.get("decode_s", 0.0)
         if not (prefill and firsts and "first_token_s" in now.counters):
-            return Step(prefill, decode, busy=bool(now.busy))
+            # One request finished and none runs: where its decode ended is known.
+            idle = finished == 1 and now.running == 0 and decode_s >= 0
+            steps_s = max(0.0, delta.get("inter_token_s", 0.0))
+            return Step(prefill, decode, busy=bool(now.busy), ended=Ended(
+                int(decode_s * 1e9), int(steps_s * 1e9)) if idle else None)
         # How long the prefills that completed here ran: one request's time to first token;
         # several ran one after another (their sum) unless batched together, and cannot
         # have begun before the interval by more than the mean. After them came the decode
@@ -492,14 +532,15 @@ class VllmMetrics(MetricsSource):
         prefill_s = min(first_s, interval_s + first_s / firsts)
         # Requests that ran at the last scrape and did not finish since went on decoding
         # beside these prefills: the engine batched them together (mixed).
-        finished = _delta(delta, "finished")
         streams = max(1, now.running or 1)
-        decode_s = delta.get("decode_s", 0.0)
         return Step(prefill, decode, busy=bool(now.busy), carve=Carve(
             prefill_ns=int(prefill_s * 1e9),
             after_ns=int(max(0.0, delta.get("inter_token_s", 0.0)) / streams * 1e9),
             beside=(before.running or 0) - finished > 0,
-            finished_decode_ns=int(decode_s * 1e9) if finished == 1 and decode_s >= 0 else None))
+            # (Only a request running at the last scrape can be the one before these: with
+            # none running then, the one that finished is one of these.)
+            finished_decode_ns=int(decode_s * 1e9) if finished == 1 and decode_s >= 0
+            and (before.running or 0) >= 1 else None))
 
 
 # -- SGLang ------------------------------------------------------------------------------------
