@@ -76,10 +76,11 @@ def _record_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-size", type=_size, metavar="SIZE",
                    help="end the recording cleanly once the session takes this much disk "
                         "(e.g. 500M, 20G)")
-    p.add_argument("--event-rate", type=_count, default=50_000, metavar="N",
+    p.add_argument("--event-rate", type=_count, default=layer_table.DEVICE_EVENT_RATE,
+                   metavar="N",
                    help="block and io_uring rows a second kept before the event tier samples "
                         "(1 in 2, 4, ...; every request is still counted exactly); 0: keep "
-                        "every one (default: 50000)")
+                        f"every one (default: {layer_table.DEVICE_EVENT_RATE})")
     p.add_argument("--settle", type=_seconds, default=5, metavar="SECONDS",
                    help="how long the exact counts wait for the phase sources' windows "
                         "before a second is folded for good and published on --prometheus "

@@ -25,7 +25,9 @@ static __always_inline void decode_cmd(u32 cmd, u8 *op, u16 *flags)
 }
 
 /* The request queue whose disk a CPU saw last: most requests on a CPU go to the same device,
- * so its number (and index) is read once rather than per request. */
+ * so its number, index and whether the device filter lets it through are read once rather
+ * than per request. Only a device the filter lets through is kept: user space fills the
+ * filter after the programs attach, and a refusal seen before that must not stick. */
 struct queue_dev {
     u64 q;
     u32 dev;
@@ -34,23 +36,30 @@ struct queue_dev {
 BPF_PERCPU_ARRAY(last_queue, struct queue_dev, 1);
 
 /* The whole disk's dev_t (MKDEV(major, first_minor)), as the block tracepoints report it,
- * and its index for dev_state. */
-static __always_inline u32 rq_dev(void *rq, u32 *idx)
+ * and its index for dev_state; 0 (and *ok 0) when the device filter leaves it out. */
+static __always_inline u32 rq_dev(void *rq, u32 *idx, int *ok)
 {
     void *q = KVPROF_FIELD(void *, rq, KVPROF_RQ_Q);
     int zero = 0;
     struct queue_dev *last = last_queue.lookup(&zero);
+    *ok = 1;
     if (last && last->q == (u64)q) {
         *idx = last->idx;
         return last->dev;
     }
     *idx = KVPROF_MAX_DEVICES;
     void *disk = KVPROF_FIELD(void *, q, KVPROF_Q_DISK);
-    if (!disk)
+    if (!disk) {
+        *ok = kvprof_dev_allowed(0);
         return 0;
+    }
     u32 major = KVPROF_FIELD(u32, disk, KVPROF_DISK_MAJOR);
     u32 minor = KVPROF_FIELD(u32, disk, KVPROF_DISK_FIRST_MINOR);
     u32 dev = (major << 20) | minor;
+    if (!kvprof_dev_allowed(dev)) {
+        *ok = 0;
+        return dev;
+    }
     *idx = kvprof_dev_index(dev);
     if (last) {
         last->q = (u64)q;
@@ -104,8 +113,9 @@ static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, 
 static __always_inline int rq_start(void *rq, int issue)
 {
     u32 di;
-    u32 dev = rq_dev(rq, &di);
-    if (!kvprof_dev_allowed(dev))
+    int ok;
+    u32 dev = rq_dev(rq, &di, &ok);
+    if (!ok)
         return 0;
     int found;
     struct kvprof_inflight *s = kvprof_slot_data(kvprof_claim((u64)rq, &found));
@@ -161,8 +171,9 @@ RAW_TRACEPOINT_PROBE(block_rq_complete)
     struct kvprof_io e = {};
     if (!s) {
         u32 di;
-    u32 dev = rq_dev(rq, &di);
-        if (!kvprof_dev_allowed(dev))
+        int ok;
+        u32 dev = rq_dev(rq, &di, &ok);
+        if (!ok)
             return 0;
         if (nr_bytes != 0) {
             kvprof_count(KVPROF_LOST_BLOCK_UNMATCHED);

@@ -92,6 +92,8 @@ def _agg_rows(keys: np.ndarray, vals: np.ndarray) -> np.ndarray:
     for f in ("bytes", "queue_ns", "service_ns", "size", "queue", "service"):
         out[f] = vals[f]
     out["ios"] = vals["size"].sum(axis=1)  # every request is in the size histogram
+    # The probes leave requests without queue time out of the queue histogram (slot 0).
+    out["queue"][:, 0] = out["ios"] - out["queue"][:, 1:].sum(axis=1)
     out["first"] = SLOT_NS - vals["first_inv"].astype(np.int64)
     out["last"] = vals["last"]
     return out

@@ -28,6 +28,7 @@ from kvprof.analysis.fold import WindowBook
 from kvprof.capture.sampling import row as sampling_row
 from kvprof.devices import Device, queue_limits, resolve
 from kvprof.errors import EX_IOERR, EX_UNAVAILABLE, EX_USAGE, KvprofError
+from kvprof.layers import DEVICE_EVENT_RATE
 from kvprof.markers import socket_path
 from kvprof.phases import registry
 from kvprof.schema import SLOT_NS
@@ -67,7 +68,7 @@ class RecordOptions:
     roll: int | None = None
     # Device-layer rows a second the event tier keeps before it samples (--event-rate); 0:
     # every one.
-    event_rate: int = 50_000
+    event_rate: int = DEVICE_EVENT_RATE
     # [ADDR:]PORT to serve the exact totals as Prometheus metrics on (--prometheus).
     prometheus: str | None = None
     # The marker socket's permissions (--socket-mode, --socket-group) and the users whose
@@ -350,15 +351,17 @@ class Recorder:
                 self.log(f"kvprof: the session reached --max-size ({opts.max_size >> 20} MiB); "
                          "ending the recording")
                 break
-            self._update_session(now)
 
     def flush(self) -> int:
-        """One drain of what capture and the phase sources collected into the store; returns
-        the time the open windows were cut at, where the session now ends."""
-        with self._writing():
+        """One drain of what capture and the phase sources collected into the store, and the
+        session row brought up to it, in one transaction (a commit costs the recorder more
+        than most of what it writes); returns the time the open windows were cut at, where
+        the session now ends."""
+        with self._writing(), self._store.transaction():
             now = _drain(self._store, self._parts.capture, self._feeds, self.book, self.exporter)
-        self._flushes += 1
-        self.row["end_ns"] = now
+            self._flushes += 1
+            self.row["end_ns"] = now
+            self._update_session(now)
         return now
 
     def roll(self, now: int) -> None:
