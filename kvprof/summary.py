@@ -221,6 +221,9 @@ class Session(TypedDict):
     writeback_unattributed: Count
     device_events: bool
     event_sampling: Sampling | None
+    # io_uring requests to raw block devices opened O_DIRECT that the io_uring layer left to
+    # the block layer (the default; absent where it traced them, or before kvprof did this).
+    io_uring_on_block: NotRequired[int]
     processes: list[Process]
     mixed: str
 

@@ -1,8 +1,9 @@
 /* io_uring: read/write requests from io_uring_submit_req to io_uring_complete (raw
  * tracepoints), followed by the io_kiocb pointer in the in-flight table (the kernel reuses a
  * request only after its completion is posted). Field offsets come from the running kernel's
- * BTF (KVPROF_IOK_OPCODE, KVPROF_CQE_RES). */
+ * BTF (KVPROF_IOK_*, KVPROF_FILE_*, KVPROF_INODE_MODE, KVPROF_CQE_RES). */
 #include "kvprof.h"
+#include <linux/fcntl.h> /* O_DIRECT, as this architecture numbers it */
 
 /* IORING_OP_READV 1, WRITEV 2, READ_FIXED 4, WRITE_FIXED 5, READ 22, WRITE 23 (uapi numbers,
  * stable by ABI). */
@@ -14,6 +15,33 @@ static __always_inline u8 uring_op(u8 opcode)
     default: return KVPROF_OP_OTHER;
     }
 }
+
+#ifndef KVPROF_URING_ALL
+/* A read or write to a raw block device opened O_DIRECT is, byte for byte, what the block
+ * layer carries (no file system, no page cache between): by default the block layer counts
+ * it and this layer leaves it, counting it in KVPROF_URING_ON_BLOCK, so that the same
+ * requests are not paid for twice per I/O (`record --layer io_uring` traces them here too:
+ * KVPROF_URING_ALL). The file is assigned only when the request is issued, after
+ * io_uring_submit_req, so the verdict is taken at completion and kept per ring: a ring whose
+ * requests went to such a device has its later ones left at submission. One that goes to
+ * another file after all is found at its completion: the ring is traced again from then
+ * on, and that request is counted lost (KVPROF_LOST_URING_SKIPPED). */
+BPF_TABLE("lru_hash", u64, u8, uring_raw, 4096);
+
+static __always_inline int raw_block_file(void *req)
+{
+    void *file = KVPROF_FIELD(void *, req, KVPROF_IOK_FILE);
+    if (!file)
+        return 0;
+    void *inode = KVPROF_FIELD(void *, file, KVPROF_FILE_INODE);
+    if (!inode)
+        return 0;
+    u16 mode = KVPROF_FIELD(u16, inode, KVPROF_INODE_MODE);
+    if ((mode & 0170000) != 0060000) /* S_IFMT, S_IFBLK: uapi numbers */
+        return 0;
+    return (KVPROF_FIELD(u32, file, KVPROF_FILE_FLAGS) & O_DIRECT) != 0;
+}
+#endif
 
 /* io_uring_submit_req(struct io_kiocb *req) */
 RAW_TRACEPOINT_PROBE(io_uring_submit_req)
@@ -27,6 +55,13 @@ RAW_TRACEPOINT_PROBE(io_uring_submit_req)
     u32 tgid = id >> 32;
     if (!kvprof_task_allowed(tgid))
         return 0;
+#ifndef KVPROF_URING_ALL
+    u64 ring = KVPROF_FIELD(u64, req, KVPROF_IOK_CTX);
+    if (uring_raw.lookup(&ring)) {
+        kvprof_count(KVPROF_URING_ON_BLOCK);
+        return 0;
+    }
+#endif
     int found;
     struct kvprof_inflight *s = kvprof_slot_data(kvprof_claim((u64)req, &found));
     if (!s)
@@ -48,8 +83,30 @@ RAW_TRACEPOINT_PROBE(io_uring_complete)
      * is not counted as a loss here. */
     int slot = kvprof_find(ctx->args[1]);
     struct kvprof_inflight *s = kvprof_slot_data(slot);
+#ifndef KVPROF_URING_ALL
+    u64 ring = ctx->args[0];
+    if (!s) {
+        /* Left at submission because of its ring? Then it must have gone where the ring's
+         * others did. */
+        if (!uring_raw.lookup(&ring) ||
+            uring_op(KVPROF_FIELD(u8, (void *)ctx->args[1], KVPROF_IOK_OPCODE)) ==
+                KVPROF_OP_OTHER || raw_block_file((void *)ctx->args[1]))
+            return 0;
+        uring_raw.delete(&ring);
+        kvprof_count(KVPROF_LOST_URING_SKIPPED);
+        return 0;
+    }
+    if (raw_block_file((void *)ctx->args[1])) {
+        u8 one = 1;
+        uring_raw.update(&ring, &one);
+        kvprof_release(slot);
+        kvprof_count(KVPROF_URING_ON_BLOCK);
+        return 0;
+    }
+#else
     if (!s)
         return 0;
+#endif
     s32 res = KVPROF_FIELD(s32, (void *)ctx->args[2], KVPROF_CQE_RES);
     struct kvprof_io e = {};
     e.issue_ns = s->issue_ns;

@@ -49,7 +49,13 @@
  * not. The sampling's rate offered comes from here, not from the rows user space drained: a
  * starved drain thread would see a slower rate and keep too many. */
 #define KVPROF_DEVICE_STARTED 7
-#define KVPROF_NCOUNTERS 8
+/* Not a loss: io_uring requests to a raw block device opened O_DIRECT, left to the block
+ * layer (io_uring.bpf.c). */
+#define KVPROF_URING_ON_BLOCK 8
+/* A request skipped as its ring's were (they went to a raw block device) whose file turned
+ * out to be another: not traced in either layer. */
+#define KVPROF_LOST_URING_SKIPPED 9
+#define KVPROF_NCOUNTERS 10
 
 #ifndef KVPROF_RINGBUF_PAGES
 #define KVPROF_RINGBUF_PAGES 1024

@@ -14,6 +14,7 @@ import duckdb
 import pytest
 
 from kvprof.markers import Marker
+from kvprof.views.report import to_text
 from tests.conftest import (
     IO_TICKS,
     READ_IOS,
@@ -111,22 +112,17 @@ def test_fsync_on_ext4_counts_writes_and_flushes_as_the_kernel(loopdev, start_re
         assert p["write"]["bytes"] == delta[WRITE_SECTORS] * 512
 
 
-def test_io_uring_reads_equal_fio_count(loopdev, start_recorder, tmp_path):
-    if shutil.which("fio") is None:
-        pytest.skip("needs fio")
-    # fio starts stopped so the recorder can be pointed at its pid before any I/O; --thread
-    # keeps its job inside that process.
+def _fio_under_recorder(loopdev, start_recorder, args: list[str], record_args: list[str]):
+    """fio, started stopped so that the recorder can be pointed at its pid before any I/O
+    (--thread keeps its jobs inside that process); returns the recorder's report, fio's jobs
+    and the loop device's diskstats delta over the run."""
     starter = ("import os, signal, sys; os.kill(os.getpid(), signal.SIGSTOP); "
                "os.execvp('fio', sys.argv[1:])")
-    out = tmp_path / "fio.json"
-    fio = subprocess.Popen([sys.executable, "-c", starter, "fio", "--name=kv", "--thread",
-                            f"--filename=/dev/{loopdev}", "--rw=randread", "--bs=4k",
-                            "--size=64M", "--io_size=16M", "--direct=1", "--ioengine=io_uring",
-                            "--iodepth=16", "--output-format=json", f"--output={out}"])
+    fio = subprocess.Popen([sys.executable, "-c", starter, "fio", "--thread", *args])
     try:
         while open(f"/proc/{fio.pid}/stat").read().split()[2] != "T":
             time.sleep(0.01)
-        rec = start_recorder("-d", loopdev, "-p", str(fio.pid))
+        rec = start_recorder("-d", loopdev, "-p", str(fio.pid), *record_args)
         s0 = settle(loopdev)
         fio.send_signal(signal.SIGCONT)
         assert fio.wait(120) == 0
@@ -135,13 +131,56 @@ def test_io_uring_reads_equal_fio_count(loopdev, start_recorder, tmp_path):
         if fio.poll() is None:
             fio.kill()
     assert rec.stop() == 0
-    report = rec.report()
+    return rec.report(), stat_delta(s0, s1)
+
+
+def _raw_reads(loopdev: str, out: Path) -> list[str]:
+    return ["--name=kv", f"--filename=/dev/{loopdev}", "--rw=randread", "--bs=4k", "--size=64M",
+            "--io_size=16M", "--direct=1", "--ioengine=io_uring", "--iodepth=16",
+            "--output-format=json", f"--output={out}"]
+
+
+def test_io_uring_reads_equal_fio_count(loopdev, start_recorder, tmp_path):
+    """Named on the command line, the io_uring layer traces requests to a raw block device
+    too, beside the block layer's."""
+    if shutil.which("fio") is None:
+        pytest.skip("needs fio")
+    out = tmp_path / "fio.json"
+    report, delta = _fio_under_recorder(loopdev, start_recorder, _raw_reads(loopdev, out),
+                                        ["--layer", "block", "--layer", "io_uring"])
     fio_reads = json.loads(out.read_text())["jobs"][0]["read"]["total_ios"]
     idle = report["phases"]["idle"]
     assert fio_reads == 4096
     assert_kernel_count(idle["io_uring"]["read"]["ios"], fio_reads, report)
     assert idle["io_uring"]["read"]["bytes"] == idle["io_uring"]["read"]["ios"] * 4096
-    assert_kernel_count(idle["block"]["read"]["ios"], stat_delta(s0, s1)[READ_IOS], report)
+    assert_kernel_count(idle["block"]["read"]["ios"], delta[READ_IOS], report)
+    assert "io_uring_on_block" not in report["session"]
+
+
+def test_io_uring_to_a_raw_device_is_left_to_the_block_layer_by_default(
+        loopdev, ext4, start_recorder, tmp_path):
+    """By default a request to a raw block device opened O_DIRECT is counted once, by the
+    block layer (it carries it one for one), and the io_uring layer counts how many it left
+    there; a file on a file system, read through io_uring, is still the io_uring layer's.
+    One fio process, two rings: the raw device's first, then the file's."""
+    if shutil.which("fio") is None:
+        pytest.skip("needs fio")
+    out = tmp_path / "fio.json"
+    args = [*_raw_reads(loopdev, out), "--name=file", "--stonewall",
+            f"--filename={ext4}/kv.bin", "--size=16M", "--io_size=8M", "--rw=randread",
+            "--bs=4k", "--direct=1", "--ioengine=io_uring", "--iodepth=16"]
+    report, delta = _fio_under_recorder(loopdev, start_recorder, args, [])
+    raw, file = json.loads(out.read_text())["jobs"]
+    assert (raw["read"]["total_ios"], file["read"]["total_ios"]) == (4096, 2048)
+    s = report["session"]
+    assert s["lost_events"] == 0, s["lost_by_reason"]
+    assert s["io_uring_on_block"] == 4096
+    uring = sum(report["phases"][p]["io_uring"]["read"]["ios"] for p in report["phases"])
+    assert uring == 2048
+    assert report["exact"]["totals"]["io_uring"]["read"]["ios"] == 2048
+    block = sum(report["phases"][p]["block"]["read"]["ios"] for p in report["phases"])
+    assert block == delta[READ_IOS]
+    assert "4096 requests to raw block devices" in to_text(report)
 
 
 def _idle_run(loopdev, start_recorder, tmp_path, attempt: int):

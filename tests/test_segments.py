@@ -23,7 +23,8 @@ def reads(dev: str, seconds: int) -> None:
 
 
 def test_a_rolled_session_reads_as_one(loopdev, start_recorder, tmp_path):
-    rec = start_recorder("-d", loopdev, "--roll", "1M")
+    # (both layers named: the raw device's io_uring rows too, for the segments they fill)
+    rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "io_uring", "--roll", "1M")
     s0 = settle(loopdev)
     reads(loopdev, 3)
     s1 = settle(loopdev)

@@ -231,7 +231,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             "writeback": writeback[p],
             "engine": phase_engine[p],
         }
-    return {
+    summary: Summary = {
         "session": {
             "id": info.session_id,
             "host": info.host,
@@ -265,6 +265,10 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
         "engine": _engine(rows.engine_counters(t0, t1), total_s),
         "exact": exact,
     }
+    on_block = info.config.get("io_uring_on_block")
+    if on_block is not None:  # (the whole session's: the probes count them, not per span)
+        summary["session"]["io_uring_on_block"] = int(on_block)
+    return summary
 
 
 # phase -> layer -> op -> figures: the layers' operations before the layer's own figures join

@@ -73,9 +73,13 @@ COUNTERS = (("KVPROF_LOST_RINGBUF", 0, "ringbuf_reserve_failed"),
             ("KVPROF_LOST_URING_NOT_SEEN", 3, "io_uring_completion_not_seen"),
             ("KVPROF_LOST_OPEN_RINGBUF", 4, "syscall_open_ring_full"),
             ("KVPROF_LOST_AGG_FULL", 5, "aggregate_map_full"),
-            ("KVPROF_LOST_INFLIGHT_FULL", 6, "inflight_table_full"))
+            ("KVPROF_LOST_INFLIGHT_FULL", 6, "inflight_table_full"),
+            ("KVPROF_LOST_URING_SKIPPED", 9, "io_uring_skipped_not_raw"))
 COUNTER_NAMES = {idx: name for _, idx, name in COUNTERS}
 DEVICE_STARTED = 7  # KVPROF_DEVICE_STARTED: not a loss, the sampling's rate offered
+# KVPROF_URING_ON_BLOCK: not a loss either, io_uring requests to raw block devices (O_DIRECT)
+# left to the block layer (probes/io_uring.bpf.c).
+URING_ON_BLOCK = 8
 # Requests still in flight at stop, by the layer that held them: never seen completing.
 NOT_SEEN = {"block": "block_completion_not_seen", "io_uring": "io_uring_completion_not_seen",
             "syscall": "syscall_completion_not_seen"}
@@ -130,7 +134,10 @@ def filemap_defines() -> list[str]:
 
 
 def build_program(layers: tuple[str, ...], filters: CaptureFilter,
-                  ringbuf_pages: int = RINGBUF_PAGES, device_events: bool = True) -> ProbeProgram:
+                  ringbuf_pages: int = RINGBUF_PAGES, device_events: bool = True,
+                  uring_raw: bool = False) -> ProbeProgram:
+    """`uring_raw`: the io_uring layer also traces requests to raw block devices opened
+    O_DIRECT, which the block layer carries one for one (by default it leaves them to it)."""
     d = probe_dir()
     # bcc rewrites map calls (events.ringbuf_output, ...) only in the main text, not in
     # #included files, so the shared header is placed in front of the probes instead.
@@ -142,6 +149,8 @@ def build_program(layers: tuple[str, ...], filters: CaptureFilter,
     cflags += [f"-D{name}={value}" for name, value in layout_defines(layers).items()]
     if not device_events:
         cflags.append("-DKVPROF_NO_DEVICE_EVENTS")
+    if uring_raw or "block" not in layers:
+        cflags.append("-DKVPROF_URING_ALL")
     if "syscall" in layers:
         cflags += filemap_defines()
     if {"syscall", "tcp", "gds"} & set(layers):
@@ -163,15 +172,15 @@ class Capture:
     def __init__(self, layers: tuple[str, ...], filters: CaptureFilter,
                  ringbuf_pages: int = RINGBUF_PAGES,
                  cache_rules: tuple[caches.Rule, ...] = caches.BUILTIN,
-                 device_events: bool = True, event_rate: int = 0):
+                 device_events: bool = True, event_rate: int = 0, uring_raw: bool = False):
         """`event_rate`: device-layer rows a second the event tier keeps before it samples
-        (0: every one; kvprof/capture/sampling.py)."""
+        (0: every one; kvprof/capture/sampling.py). `uring_raw`: see build_program."""
         from kvprof.capture.bccload import load_bcc
 
         self.bcc = load_bcc()
         self.layers = layers
         self.filters = filters
-        self.program = build_program(layers, filters, ringbuf_pages, device_events)
+        self.program = build_program(layers, filters, ringbuf_pages, device_events, uring_raw)
         check_codes(int_defines(self.program.text, self.program.cflags), _codes(layers),
                     CODE_FAMILIES)
         self._filemap = "-DKVPROF_FILEMAP" in self.program.cflags
@@ -237,6 +246,16 @@ class Capture:
         self.sampler = Sampler(event_rate if device_events else 0, self.set_sampling)
         self._sampling: deque[pa.RecordBatch] = deque()
         self._thread = threading.Thread(target=self._drain_loop, name="kvprof-drain", daemon=True)
+
+    def on_block(self) -> int | None:
+        """io_uring requests to raw block devices (O_DIRECT) the io_uring layer left to the
+        block layer; None where it traces them itself (or is not traced)."""
+        if "io_uring" not in self.layers or "-DKVPROF_URING_ALL" in self.program.cflags:
+            return None
+        final = getattr(self, "_on_block_final", None)
+        if final is not None:
+            return int(final)
+        return int(sum(self.bpf["counters"].getvalue(ctypes.c_int(URING_ON_BLOCK))))
 
     def started(self) -> int:
         """Device-layer requests started since the probes attached (kept by sampling or not):
@@ -362,6 +381,7 @@ class Capture:
         if self.aggregate is not None:
             self._agg_final = self.aggregate.take(final=True)
         lost = self.lost()
+        self._on_block_final = self.on_block()  # (the counters go with the probes)
         # Requests still held as in flight were never seen completing: skipped completion
         # probes, or I/O in flight at the moment of detaching. Either way, not recorded.
         for layer, count in self._held_at_stop().items():
@@ -598,6 +618,7 @@ def _codes(layers: tuple[str, ...]) -> list[Code]:
     out += [Code(macro, idx, __name__) for macro, idx, _ in COUNTERS]
     out += [Code(macro, value, __name__) for macro, value in (
         ("KVPROF_LAYER_WRITEBACK", LAYER_WRITEBACK), ("KVPROF_DEVICE_STARTED", DEVICE_STARTED),
+        ("KVPROF_URING_ON_BLOCK", URING_ON_BLOCK),
         ("KVPROF_BATCH", BATCH), ("KVPROF_FL_FILTERED", FLAG_FILTERED))]
     out += AGG_CODES
     if "syscall" in layers:

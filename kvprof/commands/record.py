@@ -51,6 +51,10 @@ class RecordOptions:
     pids: list[int] = field(default_factory=list)
     cgroups: list[str] = field(default_factory=list)
     layers: tuple[str, ...] = ("block", "io_uring")
+    # The io_uring layer also traces requests to raw block devices opened O_DIRECT, which the
+    # block layer carries one for one; by default (False) it leaves them to the block layer
+    # and counts them (`--layer io_uring` named on the command line: True).
+    io_uring_raw: bool = False
     duration_s: float | None = None
     socket: str | None = None
     phases: list[str] = field(default_factory=list)  # --phases specs; empty = auto
@@ -250,7 +254,8 @@ class Recorder:
                 self.log(f"kvprof: phase source {spec} not used: {e}")
         self.capture = capture = Capture(opts.layers, filters, cache_rules=cache_rules,
                                          device_events=opts.events,
-                                         event_rate=opts.event_rate)
+                                         event_rate=opts.event_rate,
+                                         uring_raw=opts.io_uring_raw)
         self._attached = _Attached(filters, marks, capture)
         if opts.drop_privileges:
             self._drop_privileges(capture)
@@ -276,6 +281,11 @@ class Recorder:
                                                     *(str(sp) for sp, _ in self.sources)],
                                   "caches": [[r.name, r.glob] for r in cache_rules],
                                   "device_events": opts.events,
+                                  # Where io_uring requests to raw block devices (O_DIRECT)
+                                  # are counted: "block" (and how many: io_uring_on_block,
+                                  # brought up to date with the losses) or "io_uring" too.
+                                  "io_uring_raw_devices":
+                                      "block" if capture.on_block() is not None else "io_uring",
                                   "event_rate": opts.event_rate if opts.events else None,
                                   "aggregate": capture.aggregate is not None,
                                   "aggregate_slot_ns": SLOT_NS,
@@ -390,6 +400,7 @@ class Recorder:
                 if self.exporter is not None:
                     self.exporter.lost(lost)
                 self.row.update(lost=json.dumps(lost))
+                self._count_on_block()
                 self._write_row()
             else:
                 self._store.mark_end(now)
@@ -406,6 +417,7 @@ class Recorder:
                 src.stop(end_ns)
             _drain(self._store, capture, self._feeds, self.book, self.exporter, closed=True)
             lost = self._lost()
+            self._count_on_block()
             self.row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
                             sources=json.dumps([{"source": str(sp), **_status(src)}
                                                 for sp, src in self.sources]),
@@ -477,6 +489,13 @@ class Recorder:
             raise KvprofError(f"the disk holding {self.out} is full: recording stopped; what "
                               "was recorded up to the last flush stays readable (status 'disk "
                               "full')", EX_IOERR) from None
+
+    def _count_on_block(self) -> None:
+        """The session's config brought up to the io_uring requests left to the block layer."""
+        n = self._parts.capture.on_block()
+        if n is not None:
+            self.row["config"] = json.dumps({**json.loads(self.row["config"]),
+                                             "io_uring_on_block": n})
 
     def _lost(self) -> dict[str, int]:
         parts = self._parts
@@ -758,6 +777,7 @@ def options_from_args(args: argparse.Namespace) -> RecordOptions:
     --no-events: the dashboard reads one segment, with its rows)."""
     return RecordOptions(out=args.output, devices=args.device, pids=args.pid,
                          cgroups=args.cgroup, layers=layers_from_args(args),
+                         io_uring_raw="io_uring" in (args.layer or ()),
                          duration_s=args.duration, socket=args.socket, phases=args.phase_sources,
                          caches=args.caches, events=getattr(args, "events", True),
                          max_size=args.max_size, event_rate=args.event_rate,
@@ -772,7 +792,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ebpf:
         from kvprof.capture.ebpf import build_program
 
-        prog = build_program(opts.layers, resolve_filters(opts), device_events=opts.events)
+        prog = build_program(opts.layers, resolve_filters(opts), device_events=opts.events,
+                             uring_raw=opts.io_uring_raw)
         print("// cflags: " + " ".join(prog.cflags))
         print(prog.text)
         return 0
