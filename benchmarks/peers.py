@@ -15,8 +15,9 @@ Tools (each where it runs on this host; one that cannot attach is reported, not 
 - bpftrace with empty programs on block_rq_issue/complete (the floor of a tracer there), and
   with a biolatency program on the same tracepoints (its own biolatency.bt uses kprobes, which
   this kernel lacks);
-- kvprof `record` in its modes: `--layer block --no-events`, `--no-events` (block +
-  io_uring), and the default.
+- kvprof `record` in its modes: `--layer block --no-events`, `--no-events`, the default,
+  and both layers named (`--layer block --layer io_uring`: io_uring traces the raw device's
+  requests too, which the default leaves to the block layer).
 
 Jobs: 4 KiB random reads through io_uring at QD32 and psync at QD1 (IOPS), and buffered
 1 MiB sequential writes ending in fsync (MB/s: the page cache, writeback and the device).
@@ -114,6 +115,10 @@ TOOLS = (
          r"Hit Ctrl-C"),
     Tool("kvprof --no-events", _kvprof("--no-events"), r"Hit Ctrl-C"),
     Tool("kvprof (default)", _kvprof(), r"Hit Ctrl-C"),
+    # Both layers named: io_uring traces the raw device's requests too (the default leaves
+    # them to the block layer), what the default did before #24.
+    Tool("kvprof --layer block --layer io_uring", _kvprof("--layer", "block", "--layer",
+                                                          "io_uring"), r"Hit Ctrl-C"),
 )
 
 

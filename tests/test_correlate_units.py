@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from kvprof import schema
-from kvprof.analysis.fold import flatten
+from kvprof.analysis.fold import _flatten_disjoint, _flatten_sweep, flatten
 from kvprof.analysis.intervals import busy_between, busy_islands
 from kvprof.phases.mark_server import WindowBuilder, decode
 
@@ -31,6 +31,32 @@ def test_flatten_more_exact_source_wins_and_then_the_later_window():
     assert list(zip(s.tolist(), e.tolist(), p.tolist())) == [
         (0, 20, "decode"), (20, 30, "prefill"), (30, 50, "mixed"), (50, 55, "prefill"),
         (55, 60, "mixed"), (60, 100, "decode")]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_flatten_of_windows_that_take_turns_is_the_sweeps(seed):
+    """The numpy path (windows that never overlap: the usual session) gives what the sweep
+    over every edge gives: windows touching, apart, clipped by the span, one phase twice in a
+    row, empty ones; and it declines windows that overlap."""
+    rng = np.random.default_rng(seed)
+    t, rows = 0, []
+    for _ in range(rng.integers(0, 30)):
+        t += int(rng.choice([0, 0, 1, 7]))  # touching, or a gap
+        d = int(rng.choice([0, 1, 5, 20]))
+        rows.append((t, t + d, str(rng.choice(["prefill", "decode", "mixed"])), "hook"))
+        t += d
+    rng.shuffle(rows)
+    w = windows(*rows) if rows else windows((0, 0, "idle", "hook")).slice(0, 0)
+    for t0, t1 in ((0, t + 3), (3, max(3, t - 4)), (5, 5)):
+        fast = _flatten_disjoint(w, t0, t1)
+        assert fast is not None
+        slow = _flatten_sweep(w, t0, t1)
+        assert [a.tolist() for a in fast] == [a.tolist() for a in slow], (rows, t0, t1)
+    if len(rows) > 1:
+        a, b = sorted(rows)[:2]
+        if a[1] > a[0] and b[1] > b[0]:
+            overlapping = windows(*rows, (a[0], b[1] + 1, "decode", "metrics"))
+            assert _flatten_disjoint(overlapping, 0, t + 3) is None
 
 
 def test_busy_islands_merge_overlapping_and_nested_intervals():

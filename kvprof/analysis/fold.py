@@ -30,6 +30,13 @@ def flatten(windows: pa.Table, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray
     """Disjoint (start, end, phase) pieces covering [t0, t1) exactly, gaps labelled idle:
     where windows overlap, the more exact source's (schema.SOURCE_RANK), among equals the
     later-starting one."""
+    fast = _flatten_disjoint(windows, t0, t1)
+    return fast if fast is not None else _flatten_sweep(windows, t0, t1)
+
+
+def _flatten_sweep(windows: pa.Table, t0: int, t1: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """flatten for any windows: a sweep over their edges with a heap of those covering."""
     rows = [
         (max(s, t0), min(e, t1), p, schema.SOURCE_RANK.get(src, 0))
         for s, e, p, src in zip(windows["start_ns"].to_pylist(), windows["end_ns"].to_pylist(),
@@ -59,6 +66,42 @@ def flatten(windows: pa.Table, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray
             ends.append(b)
             phases.append(phase)
     return np.array(starts, np.int64), np.array(ends, np.int64), np.array(phases, object)
+
+
+def _flatten_disjoint(windows: pa.Table, t0: int, t1: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """flatten, in numpy, where no two windows overlap (one source, or sources taking turns:
+    the usual session); None where some do, for the general sweep. 100 k windows take
+    ~0.4 s there, a few ms here."""
+    if t1 < t0:
+        return None
+    s = np.maximum(windows["start_ns"].to_numpy(zero_copy_only=False).astype(np.int64), t0)
+    e = np.minimum(windows["end_ns"].to_numpy(zero_copy_only=False).astype(np.int64), t1)
+    p = np.asarray(windows["phase"].to_numpy(zero_copy_only=False), dtype=object)
+    keep = e > s
+    s, e, p = s[keep], e[keep], p[keep]
+    order = np.argsort(s, kind="stable")
+    s, e, p = s[order], e[order], p[order]
+    if len(s) > 1 and not (e[:-1] <= s[1:]).all():
+        return None
+    # Each window preceded by the idle gap before it (empty where there is none), then the
+    # gap after the last; empty pieces dropped, touching pieces of one phase merged.
+    prev = np.concatenate(([t0], e)).astype(np.int64)
+    starts = np.empty(2 * len(s) + 1, np.int64)
+    ends = np.empty_like(starts)
+    phases = np.empty(len(starts), object)
+    starts[0:-1:2], ends[0:-1:2], phases[0:-1:2] = prev[:-1], s, "idle"
+    starts[1::2], ends[1::2], phases[1::2] = s, e, p
+    starts[-1], ends[-1], phases[-1] = prev[-1], t1, "idle"
+    keep = ends > starts
+    starts, ends, phases = starts[keep], ends[keep], phases[keep]
+    if not len(starts):
+        return starts, ends, phases
+    new = np.ones(len(starts), bool)
+    new[1:] = (phases[1:] != phases[:-1]) | (starts[1:] != ends[:-1])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:] - 1, len(starts) - 1)
+    return starts[first], ends[last], phases[first]
 
 
 class Pieces:
