@@ -16,30 +16,46 @@ static __always_inline u8 uring_op(u8 opcode)
     }
 }
 
+/* The io_kiocb fields read at submission and at completion, each set in one read. */
+#define IOK_SUB_LO KVPROF_MIN(KVPROF_IOK_OPCODE, KVPROF_IOK_CTX)
+#define IOK_SUB_HI KVPROF_MAX(KVPROF_IOK_OPCODE + 1, KVPROF_IOK_CTX + 8)
+#define IOK_END_LO KVPROF_MIN(KVPROF_IOK_OPCODE, KVPROF_IOK_FILE)
+#define IOK_END_HI KVPROF_MAX(KVPROF_IOK_OPCODE + 1, KVPROF_IOK_FILE + 8)
+#define FILE_LO KVPROF_MIN(KVPROF_FILE_INODE, KVPROF_FILE_FLAGS)
+#define FILE_HI KVPROF_MAX(KVPROF_FILE_INODE + 8, KVPROF_FILE_FLAGS + 4)
+
 #ifndef KVPROF_URING_ALL
 /* A read or write to a raw block device opened O_DIRECT is, byte for byte, what the block
  * layer carries (no file system, no page cache between): by default the block layer counts
  * it and this layer leaves it, counting it in KVPROF_URING_ON_BLOCK, so that the same
  * requests are not paid for twice per I/O (`record --layer io_uring` traces them here too:
  * KVPROF_URING_ALL). The file is assigned only when the request is issued, after
- * io_uring_submit_req, so the verdict is taken at completion and kept per ring: a ring whose
- * requests went to such a device has its later ones left at submission. One that goes to
- * another file after all is found at its completion: the ring is traced again from then
- * on, and that request is counted lost (KVPROF_LOST_URING_SKIPPED). */
-BPF_TABLE("lru_hash", u64, u8, uring_raw, 4096);
+ * io_uring_submit_req, so the verdict is taken at completion and kept per ring, with the
+ * file and inode it was taken on: a ring whose requests went to such a device has its later
+ * ones left at submission, and their completions only compare the file. One that went to
+ * another file after all is found there: the ring is traced again from then on, and that
+ * request is counted lost (KVPROF_LOST_URING_SKIPPED). */
+struct uring_raw_val {
+    u64 file;
+    u64 inode;
+};
+BPF_TABLE("lru_hash", u64, struct uring_raw_val, uring_raw, 4096);
 
-static __always_inline int raw_block_file(void *req)
+/* Whether `file` is a raw block device opened O_DIRECT; its inode in *inode. */
+static __always_inline int raw_block_file(void *file, u64 *inode)
 {
-    void *file = KVPROF_FIELD(void *, req, KVPROF_IOK_FILE);
+    *inode = 0;
     if (!file)
         return 0;
-    void *inode = KVPROF_FIELD(void *, file, KVPROF_FILE_INODE);
-    if (!inode)
+    KVPROF_SPAN(f, file, FILE_LO, FILE_HI);
+    void *ino = KVPROF_AT(void *, f, FILE_LO, KVPROF_FILE_INODE);
+    if (!ino)
         return 0;
-    u16 mode = KVPROF_FIELD(u16, inode, KVPROF_INODE_MODE);
+    *inode = (u64)ino;
+    u16 mode = KVPROF_FIELD(u16, ino, KVPROF_INODE_MODE);
     if ((mode & 0170000) != 0060000) /* S_IFMT, S_IFBLK: uapi numbers */
         return 0;
-    return (KVPROF_FIELD(u32, file, KVPROF_FILE_FLAGS) & O_DIRECT) != 0;
+    return (KVPROF_AT(u32, f, FILE_LO, KVPROF_FILE_FLAGS) & O_DIRECT) != 0;
 }
 #endif
 
@@ -47,7 +63,8 @@ static __always_inline int raw_block_file(void *req)
 RAW_TRACEPOINT_PROBE(io_uring_submit_req)
 {
     void *req = (void *)ctx->args[0];
-    u8 opcode = KVPROF_FIELD(u8, req, KVPROF_IOK_OPCODE);
+    KVPROF_SPAN(k, req, IOK_SUB_LO, IOK_SUB_HI);
+    u8 opcode = KVPROF_AT(u8, k, IOK_SUB_LO, KVPROF_IOK_OPCODE);
     u8 op = uring_op(opcode);
     if (op == KVPROF_OP_OTHER)
         return 0;
@@ -56,7 +73,7 @@ RAW_TRACEPOINT_PROBE(io_uring_submit_req)
     if (!kvprof_task_allowed(tgid))
         return 0;
 #ifndef KVPROF_URING_ALL
-    u64 ring = KVPROF_FIELD(u64, req, KVPROF_IOK_CTX);
+    u64 ring = KVPROF_AT(u64, k, IOK_SUB_LO, KVPROF_IOK_CTX);
     if (uring_raw.lookup(&ring)) {
         kvprof_count(KVPROF_URING_ON_BLOCK);
         return 0;
@@ -85,20 +102,34 @@ RAW_TRACEPOINT_PROBE(io_uring_complete)
     struct kvprof_inflight *s = kvprof_slot_data(slot);
 #ifndef KVPROF_URING_ALL
     u64 ring = ctx->args[0];
+    void *req = (void *)ctx->args[1];
+    u64 inode;
     if (!s) {
-        /* Left at submission because of its ring? Then it must have gone where the ring's
-         * others did. */
-        if (!uring_raw.lookup(&ring) ||
-            uring_op(KVPROF_FIELD(u8, (void *)ctx->args[1], KVPROF_IOK_OPCODE)) ==
-                KVPROF_OP_OTHER || raw_block_file((void *)ctx->args[1]))
+        /* Left at submission because of its ring? Then it went where the ring's others did:
+         * the same open file (and inode, should the file have been freed and reused). */
+        struct uring_raw_val *v = uring_raw.lookup(&ring);
+        if (!v)
             return 0;
+        KVPROF_SPAN(k, req, IOK_END_LO, IOK_END_HI);
+        if (uring_op(KVPROF_AT(u8, k, IOK_END_LO, KVPROF_IOK_OPCODE)) == KVPROF_OP_OTHER)
+            return 0;
+        u64 file = KVPROF_AT(u64, k, IOK_END_LO, KVPROF_IOK_FILE);
+        if (file == v->file &&
+            KVPROF_FIELD(u64, (void *)file, KVPROF_FILE_INODE) == v->inode)
+            return 0;
+        if (raw_block_file((void *)file, &inode)) {
+            struct uring_raw_val now = {file, inode};
+            uring_raw.update(&ring, &now);
+            return 0;
+        }
         uring_raw.delete(&ring);
         kvprof_count(KVPROF_LOST_URING_SKIPPED);
         return 0;
     }
-    if (raw_block_file((void *)ctx->args[1])) {
-        u8 one = 1;
-        uring_raw.update(&ring, &one);
+    u64 file = KVPROF_FIELD(u64, req, KVPROF_IOK_FILE);
+    if (raw_block_file((void *)file, &inode)) {
+        struct uring_raw_val now = {file, inode};
+        uring_raw.update(&ring, &now);
         kvprof_release(slot);
         kvprof_count(KVPROF_URING_ON_BLOCK);
         return 0;
