@@ -283,9 +283,11 @@ class Recorder:
                                   "device_events": opts.events,
                                   # Where io_uring requests to raw block devices (O_DIRECT)
                                   # are counted: "block" (and how many: io_uring_on_block,
-                                  # brought up to date with the losses) or "io_uring" too.
+                                  # brought up to date with the losses), "io_uring" too, or
+                                  # nowhere (None: io_uring not traced).
                                   "io_uring_raw_devices":
-                                      "block" if capture.on_block() is not None else "io_uring",
+                                      "block" if capture.on_block() is not None else
+                                      "io_uring" if "io_uring" in opts.layers else None,
                                   "event_rate": opts.event_rate if opts.events else None,
                                   "aggregate": capture.aggregate is not None,
                                   "aggregate_slot_ns": SLOT_NS,

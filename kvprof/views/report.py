@@ -126,9 +126,10 @@ def to_text(summary: Summary, name: str = "") -> str:
     on_block = s.get("io_uring_on_block")
     if on_block:
         lines += [""] + textwrap.wrap(
-            f"io_uring: {on_block} requests to raw block devices opened O_DIRECT are counted "
-            f"in the block layer only, which carries them one for one (record --layer block "
-            f"--layer io_uring traces them in both)", WIDTH, subsequent_indent="  ")
+            f"io_uring: {on_block} requests to raw block devices opened O_DIRECT were left to "
+            f"the block layer, which carries them one for one and counts those on the traced "
+            f"devices (record --layer block --layer io_uring traces them in both)", WIDTH,
+            subsequent_indent="  ")
     sampled = s.get("event_sampling")
     if sampled:
         how = ("percentiles from the sample" if sampled["uniform"] else
