@@ -41,6 +41,13 @@ struct uring_raw_val {
 };
 BPF_TABLE("lru_hash", u64, struct uring_raw_val, uring_raw, 4096);
 
+/* The ring's requests go to a raw block device: `file`, its `inode`. */
+static __always_inline void mark_raw(u64 ring, u64 file, u64 inode)
+{
+    struct uring_raw_val v = {file, inode};
+    uring_raw.update(&ring, &v);
+}
+
 /* Whether `file` is a raw block device opened O_DIRECT; its inode in *inode. */
 static __always_inline int raw_block_file(void *file, u64 *inode)
 {
@@ -118,8 +125,7 @@ RAW_TRACEPOINT_PROBE(io_uring_complete)
             KVPROF_FIELD(u64, (void *)file, KVPROF_FILE_INODE) == v->inode)
             return 0;
         if (raw_block_file((void *)file, &inode)) {
-            struct uring_raw_val now = {file, inode};
-            uring_raw.update(&ring, &now);
+            mark_raw(ring, file, inode); /* another open of a raw device */
             return 0;
         }
         uring_raw.delete(&ring);
@@ -128,8 +134,7 @@ RAW_TRACEPOINT_PROBE(io_uring_complete)
     }
     u64 file = KVPROF_FIELD(u64, req, KVPROF_IOK_FILE);
     if (raw_block_file((void *)file, &inode)) {
-        struct uring_raw_val now = {file, inode};
-        uring_raw.update(&ring, &now);
+        mark_raw(ring, file, inode);
         kvprof_release(slot);
         kvprof_count(KVPROF_URING_ON_BLOCK);
         return 0;

@@ -19,6 +19,7 @@ answers; tests/test_live_cache.py holds both implementations to the same numbers
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -29,6 +30,7 @@ import pyarrow as pa
 
 from kvprof import schema
 from kvprof.analysis import rollup
+from kvprof.analysis.fold import phase_codes
 from kvprof.analysis.intervals import busy_islands, busy_islands_ordered
 from kvprof.analysis.iocache import IoCache
 from kvprof.analysis.rollup import GRID_NS, Rollup
@@ -325,10 +327,8 @@ def _lookup(pieces: Pieces) -> pa.Table:
         start[0] = np.iinfo(np.int64).min
     # The phase also as its index in schema.PHASES, for queries that group millions of rows
     # by it (an integer key groups faster than a string; _PHASE_OF maps it back).
-    code = np.zeros(len(start), np.int8)
-    for i, p in enumerate(schema.PHASES):
-        code[pieces.phase == p] = i
-    return pa.table({"w_start": start, "w_phase": pieces.phase.astype(str), "w_code": code})
+    return pa.table({"w_start": start, "w_phase": pieces.phase.astype(str),
+                     "w_code": phase_codes(pieces.phase)})
 
 
 # A phase code (_lookup's w_code) to its name, in SQL.
@@ -607,14 +607,13 @@ class SqlRows(RowSource):
         inside = tbl["inside"].to_numpy(zero_copy_only=False)
         present = sorted({names[c] for c in np.unique(codes[inside | whole])})
 
-        every: list[Islands] = []
+        @functools.cache
+        def every() -> Islands:
+            return busy_islands(s, e)
 
         def islands_of(device: str | None) -> Islands:
             if device is None or names == [device]:
-                # (one device's rows are all the rows: the same islands, computed once)
-                if not every:
-                    every.append(busy_islands(s, e))
-                return every[0]
+                return every()  # (one device's rows are all the rows: computed once)
             mine = codes == (names.index(device) if device in names else -1)
             return busy_islands(s[mine], e[mine])
         return islands_of, present

@@ -133,11 +133,17 @@ def filemap_defines() -> list[str]:
     return ["-DKVPROF_FILEMAP", *(["-DKVPROF_FILEMAP_ORDER"] if " order;" in text else [])]
 
 
+def raw_to_block(layers: tuple[str, ...], uring_raw: bool) -> bool:
+    """Whether the io_uring layer leaves requests to raw block devices opened O_DIRECT to the
+    block layer (which carries them one for one): both traced, and `uring_raw` not asked."""
+    return "io_uring" in layers and "block" in layers and not uring_raw
+
+
 def build_program(layers: tuple[str, ...], filters: CaptureFilter,
                   ringbuf_pages: int = RINGBUF_PAGES, device_events: bool = True,
                   uring_raw: bool = False) -> ProbeProgram:
     """`uring_raw`: the io_uring layer also traces requests to raw block devices opened
-    O_DIRECT, which the block layer carries one for one (by default it leaves them to it)."""
+    O_DIRECT (by default it leaves them to the block layer: raw_to_block)."""
     d = probe_dir()
     # bcc rewrites map calls (events.ringbuf_output, ...) only in the main text, not in
     # #included files, so the shared header is placed in front of the probes instead.
@@ -149,7 +155,7 @@ def build_program(layers: tuple[str, ...], filters: CaptureFilter,
     cflags += [f"-D{name}={value}" for name, value in layout_defines(layers).items()]
     if not device_events:
         cflags.append("-DKVPROF_NO_DEVICE_EVENTS")
-    if uring_raw or "block" not in layers:
+    if not raw_to_block(layers, uring_raw):
         cflags.append("-DKVPROF_URING_ALL")
     if "syscall" in layers:
         cflags += filemap_defines()
@@ -180,6 +186,7 @@ class Capture:
         self.bcc = load_bcc()
         self.layers = layers
         self.filters = filters
+        self.raw_to_block = raw_to_block(layers, uring_raw)
         self.program = build_program(layers, filters, ringbuf_pages, device_events, uring_raw)
         check_codes(int_defines(self.program.text, self.program.cflags), _codes(layers),
                     CODE_FAMILIES)
@@ -250,7 +257,7 @@ class Capture:
     def on_block(self) -> int | None:
         """io_uring requests to raw block devices (O_DIRECT) the io_uring layer left to the
         block layer; None where it traces them itself (or is not traced)."""
-        if "io_uring" not in self.layers or "-DKVPROF_URING_ALL" in self.program.cflags:
+        if not self.raw_to_block:
             return None
         final = getattr(self, "_on_block_final", None)
         if final is not None:

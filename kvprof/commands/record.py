@@ -286,7 +286,7 @@ class Recorder:
                                   # brought up to date with the losses), "io_uring" too, or
                                   # nowhere (None: io_uring not traced).
                                   "io_uring_raw_devices":
-                                      "block" if capture.on_block() is not None else
+                                      "block" if capture.raw_to_block else
                                       "io_uring" if "io_uring" in opts.layers else None,
                                   "event_rate": opts.event_rate if opts.events else None,
                                   "aggregate": capture.aggregate is not None,
@@ -380,7 +380,7 @@ class Recorder:
         """Close this segment with the session row as it stands and go on in the next, from
         `now`; with --max-size, delete the oldest segments to stay under it."""
         with self._writing():
-            self.row.update(lost=json.dumps(self._lost()))
+            self._counts_to_row(self._lost())
             self._write_row()
             self._store.close()
             self.store = None
@@ -401,8 +401,7 @@ class Recorder:
                 lost = self._lost()
                 if self.exporter is not None:
                     self.exporter.lost(lost)
-                self.row.update(lost=json.dumps(lost))
-                self._count_on_block()
+                self._counts_to_row(lost)
                 self._write_row()
             else:
                 self._store.mark_end(now)
@@ -419,8 +418,8 @@ class Recorder:
                 src.stop(end_ns)
             _drain(self._store, capture, self._feeds, self.book, self.exporter, closed=True)
             lost = self._lost()
-            self._count_on_block()
-            self.row.update(end_ns=end_ns, status="complete", lost=json.dumps(lost),
+            self._counts_to_row(lost)
+            self.row.update(end_ns=end_ns, status="complete",
                             sources=json.dumps([{"source": str(sp), **_status(src)}
                                                 for sp, src in self.sources]),
                             devices=_devices_json(parts.filters.devices
@@ -492,8 +491,10 @@ class Recorder:
                               "was recorded up to the last flush stays readable (status 'disk "
                               "full')", EX_IOERR) from None
 
-    def _count_on_block(self) -> None:
-        """The session's config brought up to the io_uring requests left to the block layer."""
+    def _counts_to_row(self, lost: dict[str, int]) -> None:
+        """The session row brought up to what capture counted: the losses, and in its config
+        the io_uring requests left to the block layer."""
+        self.row["lost"] = json.dumps(lost)
         n = self._parts.capture.on_block()
         if n is not None:
             self.row["config"] = json.dumps({**json.loads(self.row["config"]),
