@@ -64,6 +64,27 @@ def test_busy_islands_merge_overlapping_and_nested_intervals():
     assert s.tolist() == [0, 20] and e.tolist() == [10, 30]
 
 
+def test_busy_islands_cover_exactly_the_instants_some_interval_covers():
+    """Against a tick-by-tick count on random sets of intervals in random order (touching,
+    nested, empty ones among them): islands are disjoint, in order, separated by real gaps,
+    and cover every instant some interval covers and no other."""
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        n = int(rng.integers(1, 40))
+        s = rng.integers(0, 200, n)
+        e = s + rng.integers(0, 30, n) * (rng.random(n) > 0.1)
+        covered = np.zeros(240, bool)
+        for a, b in zip(s, e):
+            covered[a:b] = True
+        isl_s, isl_e = busy_islands(s, e)
+        got = np.zeros(240, bool)
+        for a, b in zip(isl_s, isl_e):
+            assert not got[a:b].any()
+            got[a:b] = True
+        assert (got == covered).all()
+        assert (isl_s[1:] > isl_e[:-1]).all() and (isl_s <= isl_e).all()
+
+
 def test_busy_between_counts_only_time_inside_each_range():
     s, e = np.array([0, 20]), np.array([10, 30])
     got = busy_between(s, e, np.array([0, 5, 10, 25, 40]), np.array([100, 25, 20, 26, 50]))

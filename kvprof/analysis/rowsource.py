@@ -315,6 +315,22 @@ def _weighted_q(hist: dict[int, int]) -> list[float | None]:
     return out
 
 
+_SIZELESS = 255  # per_phase's size "power of two" of a request without data
+
+
+def _split_hist(joint: dict | None) -> tuple[dict[int, int], dict[int, int]]:
+    """per_phase's histogram by (size power of two, latency power of two) as StatRow's two,
+    each by the bucket's low bound."""
+    size: dict[int, int] = {}
+    latency: dict[int, int] = {}
+    for key, n in (joint or {}).items():
+        s, lat = divmod(int(key), 256)
+        if s != _SIZELESS:
+            size[2 ** s] = size.get(2 ** s, 0) + int(n)
+        latency[2 ** lat] = latency.get(2 ** lat, 0) + int(n)
+    return size, latency
+
+
 def _and(*conds: str) -> str:
     return " AND ".join(c for c in conds if c)
 
@@ -467,16 +483,26 @@ class SqlRows(RowSource):
             SELECT {_PHASE_OF}[code + 1], * EXCLUDE (code) FROM (
                 SELECT code, layer, op, count(*), sum(bytes)::UBIGINT,
                        quantile_cont(total_ns / 1e3, {qs}),
-                       quantile_cont(queue_ns / 1e3, {qs}),
-                       quantile_cont(device_ns / 1e3, {qs}),
-                       -- sizes of requests that carry data: a flush has none (the exact
-                       -- tier keeps them in slot 0, which the report leaves out too)
-                       histogram(CASE WHEN bytes > 0 THEN 2 ** floor(log2(bytes))::UBIGINT
-                                 END),
-                       histogram(2 ** floor(log2(greatest(total_ns / 1e3, 1)))::UBIGINT)
+                       -- Only the block layer has a queue (no other probe sets insert_ns):
+                       -- elsewhere queue time is 0 and device time the total, set below
+                       -- rather than sorted for.
+                       quantile_cont(queue_ns / 1e3, {qs}) FILTER (WHERE layer = 'block'),
+                       quantile_cont(device_ns / 1e3, {qs}) FILTER (WHERE layer = 'block'),
+                       -- Both log2 histograms in one, by (size's power of two, latency's):
+                       -- split below. The size's is of requests that carry data (SIZELESS:
+                       -- a flush has none, and the exact tier's slot 0 is left out too).
+                       histogram(((CASE WHEN bytes > 0 THEN floor(log2(bytes))
+                                   ELSE {_SIZELESS} END) * 256
+                                  + floor(log2(greatest(total_ns / 1e3, 1))))::USMALLINT)
                 FROM io GROUP BY code, layer, op)""", params)
+        rows = []
+        for phase, layer, op, ios, nbytes, total, queue, device, joint in stats:
+            if layer != "block":
+                queue, device = [0.0] * len(total), total
+            rows.append(StatRow(phase, layer, op, ios, nbytes, total, queue, device,
+                                *_split_hist(joint)))
         islands_of, present = self._islands(pieces.t0, pieces.t1, view, pieces.whole)
-        return PerPhase(named(StatRow, stats), islands_of, present)
+        return PerPhase(rows, islands_of, present)
 
     def weighted_quantiles(self, pieces: Pieces, view: ViewFilter
                            ) -> dict[tuple[str, str, str], tuple[list[float | None], ...]]:
@@ -592,30 +618,28 @@ class SqlRows(RowSource):
         """Busy islands from the block requests in flight at any time in [t0, t1), also those
         issued before t0, and the devices the window's block requests went to."""
         cond, params = _where(view)
-        tbl = self.cur.sql(f"""
-            SELECT dev_name, CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END AS s,
-                   complete_ns AS e, issue_ns >= ? AND issue_ns < ? AS inside
-            FROM io WHERE {_and("layer = 'block'", "complete_ns > ?",
-                                "CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END < ?",
-                                cond)}""",
-                           params=[int(t0), int(t1), int(t0), int(t1), *params]).to_arrow_table()
-        # Device names as dictionary codes: comparing small ints, not a million Python strings.
-        enc = tbl["dev_name"].combine_chunks().dictionary_encode()
-        codes = enc.indices.to_numpy(zero_copy_only=False)
-        names = enc.dictionary.to_pylist()
-        s, e = tbl["s"].to_numpy(), tbl["e"].to_numpy()
-        inside = tbl["inside"].to_numpy(zero_copy_only=False)
-        present = sorted({names[c] for c in np.unique(codes[inside | whole])})
+        begin = "CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END"
+        where = _and("layer = 'block'", "complete_ns > ?", f"{begin} < ?", cond)
+        args = [int(t0), int(t1), *params]
+        devices = self.cur.execute(f"""
+            SELECT dev_name, bool_or(issue_ns >= ? AND issue_ns < ?) FROM io
+            WHERE {where} GROUP BY dev_name""", [int(t0), int(t1), *args]).fetchall()
+        names = [d for d, _ in devices]
+        present = sorted(d for d, inside in devices if inside or whole)
 
+        # Each device's rows fetched when asked for, without the names: a column of
+        # millions of strings costs more to fetch than the two times.
         @functools.cache
-        def every() -> Islands:
-            return busy_islands(s, e)
+        def islands(device: str | None) -> Islands:
+            tbl = self.cur.sql(
+                f"SELECT {begin} AS s, complete_ns AS e FROM io "
+                f"WHERE {_and(where, 'dev_name = ?' if device is not None else '')}",
+                params=[*args, *([device] if device is not None else [])]).to_arrow_table()
+            return busy_islands(tbl["s"].to_numpy(), tbl["e"].to_numpy())
 
         def islands_of(device: str | None) -> Islands:
-            if device is None or names == [device]:
-                return every()  # (one device's rows are all the rows: computed once)
-            mine = codes == (names.index(device) if device in names else -1)
-            return busy_islands(s[mine], e[mine])
+            # (one device's rows are all the rows: computed once)
+            return islands(None if names == [device] else device)
         return islands_of, present
 
     def over_time(self, pieces: Pieces, view: ViewFilter, c0: int, ncells: int,
