@@ -81,4 +81,6 @@ def test_max_size_with_roll_keeps_the_newest_segments(loopdev, start_recorder):
     rows = report["phases"]["idle"]["block"]["read"]["ios"]
     exact = report["exact"]["totals"]["block"]["read"]["ios"]
     assert rows > 0 and abs(rows - exact) <= report["session"]["lost_events"] + 8
-    assert report["session"]["duration_s"] < 4
+    # The oldest were deleted: what is kept spans less than the 5 s of reads (segments roll
+    # at a flush, every 0.5 s, so how much less varies with where the rolls fell).
+    assert report["session"]["duration_s"] < 5
