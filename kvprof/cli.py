@@ -227,9 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write both sessions side by side as one self-contained HTML file")
     _mixed_arg(p)
 
-    p = sub.add_parser("export", help="write a session's tables as Parquet")
+    p = sub.add_parser("export", help="write a session's tables as Parquet, or its block "
+                                      "requests as fio iologs")
     p.add_argument("session")
-    p.add_argument("--parquet", required=True, metavar="DIR", help="output directory")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--parquet", metavar="DIR", help="output directory")
+    what.add_argument("--fio-iolog", metavar="DIR",
+                      help="one fio iolog (version 3) per phase and device into DIR, to "
+                           "replay with fio --read_iolog=FILE --replay_redirect=/dev/OTHER")
     p.add_argument("--hive", action="store_true",
                    help="fleet layout: DIR/table=T/host=H/date=D/session=S/data.parquet, for "
                         "many hosts writing into one directory or bucket")

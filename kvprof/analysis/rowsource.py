@@ -605,6 +605,22 @@ class SqlRows(RowSource):
         except duckdb.CatalogException:
             return []
 
+    def block_requests(self, pieces: Pieces) -> pa.Table:
+        """Every block request's phase (the window holding its issue time, the report's rule),
+        device, op, offset in bytes, size and issue time, in issue order: what a replay
+        issues (`kvprof export --fio-iolog`)."""
+        self.cur.register("_kv_windows", _lookup(pieces))
+        try:
+            return self.cur.sql("""
+                SELECT w.w_phase AS phase, io.dev_name, io.op, io.sector * 512 AS offset,
+                       io.bytes, io.issue_ns
+                FROM (SELECT dev_name, op, sector, bytes, issue_ns FROM io
+                      WHERE layer = 'block') io
+                ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start
+                ORDER BY io.issue_ns""").to_arrow_table()
+        finally:
+            self.cur.unregister("_kv_windows")
+
     def gds_calls(self, pieces: Pieces, view: ViewFilter) -> list[tuple]:
         cond, params = _in_view(pieces, view)
         return self._joined(pieces, f"""

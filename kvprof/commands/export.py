@@ -1,5 +1,6 @@
 """`kvprof export SESSION --parquet DIR`: the session's tables as Parquet, one file each (or
-the fleet's hive layout)."""
+the fleet's hive layout). `--fio-iolog DIR`: its block requests as fio iologs, one per phase
+and device (kvprof/views/iolog.py)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,8 @@ from kvprof.errors import EX_USAGE, KvprofError
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.fio_iolog:
+        return _iologs(args)
     from kvprof.store.parquet import export_parquet
     from kvprof.store.session import open_session, unreadable
 
@@ -23,4 +26,46 @@ def run(args: argparse.Namespace) -> int:
         raise unreadable(e, f"{args.session}: the session's data is damaged") from None
     finally:
         con.close()
+    return 0
+
+
+def _iologs(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    import duckdb
+
+    from kvprof.analysis.fold import flatten
+    from kvprof.analysis.rowsource import Pieces, SqlRows
+    from kvprof.errors import EX_DATAERR
+    from kvprof.store.session import open_session, unreadable
+    from kvprof.views.iolog import write_iologs
+
+    con = open_session(args.session)
+    try:
+        rows = SqlRows(con.cursor())
+        info = rows.info()
+        ws, we, wp = flatten(rows.windows(), info.start_ns, info.end_ns)
+        pieces = Pieces(ws, we, wp, info.start_ns, info.end_ns, info.start_ns, True)
+        requests = rows.block_requests(pieces)
+        shifts = rows.sampling(info.start_ns, info.end_ns)
+    except duckdb.Error as e:
+        raise unreadable(e, f"{args.session}: the session's data is damaged") from None
+    finally:
+        con.close()
+    if requests.num_rows == 0:
+        raise KvprofError(f"{args.session}: no block requests recorded one by one (recorded "
+                          "with --no-events, or without the block layer): nothing to replay",
+                          EX_DATAERR)
+    done = write_iologs(requests, Path(args.fio_iolog))
+    for (phase, dev), (n, nbytes) in sorted(done.requests.items()):
+        print(f"{args.fio_iolog}/{phase}.{dev}.iolog\t{phase}\t{dev}\t{n} requests\t"
+              f"{nbytes} bytes")
+    if any(shifts):
+        print(f"kvprof: the session kept 1 in up to {1 << max(shifts)} rows past its "
+              "--event-rate: the iologs hold the rows it kept, not every request",
+              file=sys.stderr)
+    for op, n in sorted(done.left_out.items()):
+        print(f"kvprof: {n} {op} requests left out (the device's own, not replayed)",
+              file=sys.stderr)
     return 0

@@ -1,0 +1,80 @@
+"""A recorded session's block requests as fio iologs (version 3): one file per phase and
+device, for replaying a phase's own I/O on other storage with fio (`kvprof export SESSION
+--fio-iolog DIR`; `fio --read_iolog=FILE --replay_redirect=/dev/CANDIDATE`).
+
+Each request is a line at its issue time, in milliseconds from the first request of its file
+(fio waits for each line's time, so the phase's arrivals are kept, to the millisecond); the
+offset is the request's first byte on the recorded device. A phase's file holds the requests
+issued in its windows (the report's rule), so the gaps between its windows are waits too.
+Reads, writes and discards are replayed as such; an empty write (what an fsync sends) as a
+`sync`; the device flushes that follow an fsync are its own doing, not a request to
+replay, and are counted as left out."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+HEADER = "fio version 3 iolog"
+NS_PER_MS = 1_000_000
+
+
+@dataclass
+class Written:
+    """What `write_iologs` wrote: the files, and per (phase, device) the requests and bytes
+    each holds; `left_out`: requests of no replayable kind, by op."""
+    files: list[Path] = field(default_factory=list)
+    requests: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    left_out: dict[str, int] = field(default_factory=dict)
+
+
+def _action(op: str, nbytes: int) -> str | None:
+    if op == "read":
+        return "read"
+    if op == "write":
+        return "write" if nbytes else "sync"
+    if op == "discard":
+        return "trim"
+    return None
+
+
+def write_iologs(requests: pa.Table, out: Path) -> Written:
+    """One iolog per (phase, device) of `requests` (SqlRows.block_requests) into `out`,
+    named PHASE.DEVICE.iolog."""
+    out.mkdir(parents=True, exist_ok=True)
+    done = Written()
+    if requests.num_rows == 0:
+        return done
+    cols = {name: requests[name].to_pylist()
+            for name in ("phase", "dev_name", "op", "offset", "bytes", "issue_ns")}
+    offset, size, issue = cols["offset"], cols["bytes"], cols["issue_ns"]
+    lines: dict[tuple[str, str], list[str]] = {}
+    first: dict[tuple[str, str], int] = {}
+    last: dict[tuple[str, str], int] = {}
+    counts: dict[tuple[str, str], list[int]] = {}
+    for i, (phase, dev, op) in enumerate(zip(cols["phase"], cols["dev_name"], cols["op"])):
+        action = _action(op, int(size[i]))
+        if action is None:
+            done.left_out[op] = done.left_out.get(op, 0) + 1
+            continue
+        key = (phase, dev)
+        t0 = first.setdefault(key, int(issue[i]))
+        ms = (int(issue[i]) - t0) // NS_PER_MS
+        last[key] = ms
+        path = f"/dev/{dev}"
+        # (fio reads every action line as offset and length; a sync's are 0)
+        at = 0 if action == "sync" else int(offset[i])
+        lines.setdefault(key, []).append(f"{ms} {path} {action} {at} {int(size[i])}")
+        c = counts.setdefault(key, [0, 0])
+        c[0] += 1
+        c[1] += int(size[i])
+    for key, body in sorted(lines.items()):
+        phase, dev = key
+        f = out / f"{phase}.{dev}.iolog"
+        path = f"/dev/{dev}"
+        f.write_text("\n".join([HEADER, f"0 {path} add", f"0 {path} open", *body,
+                                f"{last[key]} {path} close"]) + "\n")
+        done.files.append(f)
+        done.requests[key] = (counts[key][0], counts[key][1])
+    return done
