@@ -264,6 +264,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write to a raw device even though it holds a filesystem or data")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
+    p = sub.add_parser("replay", help="issue a recorded session's block requests again on "
+                                      "candidate storage at their recorded times, recording "
+                                      "a new session with the same phase windows")
+    p.add_argument("session")
+    p.add_argument("--on", required=True, metavar="DEVICE_OR_DIR",
+                   help="the candidate: a directory (a scratch file is written there and "
+                        "deleted) or a block device (written to: refused if it holds data)")
+    p.add_argument("--phase", action="append", default=[], choices=("prefill", "decode",
+                                                                     "mixed", "idle"),
+                   help="replay only this phase's requests (repeatable; default: all)")
+    p.add_argument("--speed", type=float, default=1.0,
+                   help="arrivals this many times faster than recorded (default 1)")
+    p.add_argument("-o", "--out", help="directory of the new session")
+    p.add_argument("--force", action="store_true",
+                   help="write to a raw device even though it holds a filesystem or data")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
     p = sub.add_parser("demo", help="run a small KV-offload workload on a private loop device, "
                                     "record it and report")
     p.add_argument("--seconds", type=float, default=6.0, help="length of the workload")
@@ -274,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-VERBS = ("record", "top", "report", "compare", "export", "mark", "doctor", "calibrate", "demo")
+VERBS = ("record", "top", "report", "compare", "export", "mark", "doctor", "calibrate",
+         "replay", "demo")
 
 
 def command(verb: str) -> Callable[[argparse.Namespace], int]:
@@ -304,6 +322,9 @@ def command(verb: str) -> Callable[[argparse.Namespace], int]:
     if verb == "calibrate":
         from kvprof.commands import calibrate
         return calibrate.run
+    if verb == "replay":
+        from kvprof.commands import replay
+        return replay.run
     if verb == "demo":
         from kvprof.commands import demo
         return demo.run

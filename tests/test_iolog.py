@@ -53,7 +53,7 @@ def test_fio_replays_each_phases_iolog_with_the_recorded_requests_and_bytes(
     # The two prefill windows' writes, with the decode window's time between them as a wait.
     prefill = (out / f"prefill.{loopdev}.iolog").read_text().splitlines()[3:-1]
     assert int(prefill[-1].split()[0]) - int(prefill[0].split()[0]) >= \
-        report["phases"]["decode"]["time_s"] * 1e3 * 0.9
+        report["phases"]["decode"]["time_s"] * 1e6 * 0.9  # (µs)
 
 
 def test_a_session_without_per_request_rows_says_there_is_nothing_to_replay(

@@ -2,9 +2,10 @@
 device, for replaying a phase's own I/O on other storage with fio (`kvprof export SESSION
 --fio-iolog DIR`; `fio --read_iolog=FILE --replay_redirect=/dev/CANDIDATE`).
 
-Each request is a line at its issue time, in milliseconds from the first request of its file
-(fio waits for each line's time, so the phase's arrivals are kept, to the millisecond); the
-offset is the request's first byte on the recorded device. A phase's file holds the requests
+Each request is a line at its issue time, in microseconds from the first request of its file
+(fio 3.33 reads version-3 times as microseconds, as its own iolog writer writes them, and
+waits between lines for their difference; it waits for none after a line at time 0, so
+times start at 1); the offset is the request's first byte on the recorded device. A phase's file holds the requests
 issued in its windows (the report's rule), so the gaps between its windows are waits too.
 Reads, writes and discards are replayed as such; an empty write (what an fsync sends) as a
 `sync`; the device flushes that follow an fsync are its own doing, not a request to
@@ -17,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 
 HEADER = "fio version 3 iolog"
-NS_PER_MS = 1_000_000
+NS_PER_US = 1_000
 
 
 @dataclass
@@ -60,12 +61,12 @@ def write_iologs(requests: pa.Table, out: Path) -> Written:
             continue
         key = (phase, dev)
         t0 = first.setdefault(key, int(issue[i]))
-        ms = (int(issue[i]) - t0) // NS_PER_MS
-        last[key] = ms
+        us = 1 + (int(issue[i]) - t0) // NS_PER_US
+        last[key] = us
         path = f"/dev/{dev}"
         # (fio reads every action line as offset and length; a sync's are 0)
         at = 0 if action == "sync" else int(offset[i])
-        lines.setdefault(key, []).append(f"{ms} {path} {action} {at} {int(size[i])}")
+        lines.setdefault(key, []).append(f"{us} {path} {action} {at} {int(size[i])}")
         c = counts.setdefault(key, [0, 0])
         c[0] += 1
         c[1] += int(size[i])
@@ -73,7 +74,7 @@ def write_iologs(requests: pa.Table, out: Path) -> Written:
         phase, dev = key
         f = out / f"{phase}.{dev}.iolog"
         path = f"/dev/{dev}"
-        f.write_text("\n".join([HEADER, f"0 {path} add", f"0 {path} open", *body,
+        f.write_text("\n".join([HEADER, f"1 {path} add", f"1 {path} open", *body,
                                 f"{last[key]} {path} close"]) + "\n")
         done.files.append(f)
         done.requests[key] = (counts[key][0], counts[key][1])
