@@ -238,7 +238,7 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
     import shutil
 
     from kvprof.commands.calibrate import prepare
-    from kvprof.commands.record import RecordOptions, default_out, record
+    from kvprof.commands.record import RecordOptions, Recorder, default_out
 
     if speed <= 0:
         raise KvprofError("--speed must be positive", EX_USAGE)
@@ -269,8 +269,11 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
 
         def recording() -> None:
             try:
-                record(opts, log=lambda line: None, stop=stop,
-                       on_start=lambda store: attached.set())
+                # (a Recorder as `record` runs one, not live: nothing reads it meanwhile)
+                with Recorder(opts, lambda line: None, stop) as recorder:
+                    recorder.open(lambda store: attached.set())
+                    recorder.run()
+                    recorder.finish()
             except BaseException as e:  # noqa: BLE001 (raised in the caller's thread)
                 errors.append(e)
                 attached.set()
