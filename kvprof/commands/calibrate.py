@@ -87,7 +87,7 @@ class Target:
     scratch: Path | None  # our own file, deleted afterwards
 
 
-def prepare(spec: str, size: int, force: bool) -> Target:
+def prepare(spec: str, size: int, force: bool, verb: str = "calibrate") -> Target:
     """The block device or directory to calibrate, checked for safety; a directory gets its
     scratch file written once with random data (a fresh file's holes or zeros would read
     without touching the device, or compress away on zram)."""
@@ -117,7 +117,7 @@ def prepare(spec: str, size: int, force: bool) -> Target:
         raise KvprofError(f"{path} is not a block device", EX_USAGE)
     why = _in_use(dev)
     if why:
-        raise KvprofError(f"refusing to calibrate {path}: {why}; calibrate a directory on it "
+        raise KvprofError(f"refusing to {verb} on {path}: {why}; {verb} on a directory on it "
                           "instead", EX_USAGE)
     try:
         why = _holds_data(path)
@@ -126,7 +126,8 @@ def prepare(spec: str, size: int, force: bool) -> Target:
                           EX_NOPERM if e.errno in (1, 13) else EX_USAGE) from None
     if why and not force:
         raise KvprofError(f"refusing to write to {path}: {why}", EX_USAGE,
-                          hint="calibrate a directory on it, or pass --force to overwrite it")
+                          hint=f"{verb} on a directory on it, or pass --force to overwrite "
+                               "it")
     dev_size = int(read_attr(sysfs_dir(dev) / "size") or 0) * 512
     return Target(path, dev, min(size, dev_size), None)
 

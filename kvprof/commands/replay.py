@@ -7,10 +7,11 @@ with O_DIRECT, by JOBS threads that take the requests in order, each sleeping un
 request's time: a request goes out at its time whether or not the ones before it have
 completed (open loop, up to JOBS in flight), so latency is measured under the recorded
 arrivals, and a candidate too slow for them falls behind, which the replay measures per
-phase (each request's issue against its scheduled time). Not fio: fio 3.33 replaying an
-iolog waits for each line's time by spinning (one core per job, which here is the CPU the
-candidate's I/O needs), and through one asynchronous queue leaves up to its depth - 1 of
-the requests unissued while counting them done. `kvprof export --fio-iolog` writes the same
+phase (when it had issued each planned request's bytes, against when that was due).
+
+Not fio: fio 3.33 replaying an iolog waits for each line's time by spinning (one core per
+job, which here is the CPU the candidate's I/O needs), and through one asynchronous queue
+leaves up to its depth - 1 of the requests unissued while counting them done. `kvprof export --fio-iolog` writes the same
 requests for fio, for those who replay with it.
 
 The new session holds the recording's phase windows, moved to the replay's clock (its first
@@ -134,19 +135,21 @@ def issue(p: Plan, path: str, speed: float, lead_ns: int = 0, jobs: int = JOBS) 
         raise KvprofError(f"replaying on {path}: {errors[0].strerror}", EX_DATAERR)
 
 
-def lag(p: Plan, replayed_ns: np.ndarray, speed: float) -> dict[str, dict[str, float]]:
+def lag(p: Plan, issued_ns: np.ndarray, issued_bytes: np.ndarray,
+        speed: float) -> dict[str, dict[str, float]]:
     """Per phase, how late the candidate issued requests against the schedule, in seconds:
-    the k-th request issued in the replay against the k-th of the plan (both in issue
-    order), its delay past the first one's."""
-    n = min(len(replayed_ns), len(p.issue_ns))
-    if n == 0:
+    for each planned request, when the replay had issued as many bytes as the plan had by
+    then (bytes rather than the k-th request: a device may merge or split them), against
+    when it was due, both from the first request."""
+    if len(issued_ns) == 0:
         return {}
-    got = np.sort(replayed_ns)[:n] - np.sort(replayed_ns)[0]
-    due = (p.issue_ns[:n] - p.t0) / speed
-    late = np.maximum(got - due, 0) / 1e9
-    phases = np.array(p.phase[:n], dtype=object)
+    order = np.argsort(issued_ns, kind="stable")
+    at, done = issued_ns[order], np.cumsum(issued_bytes[order])
+    k = np.minimum(np.searchsorted(done, np.cumsum(p.size), side="left"), len(at) - 1)
+    late = np.maximum((at[k] - at[0]) - (p.issue_ns - p.t0) / speed, 0) / 1e9
+    phases = np.array(p.phase, dtype=object)
     out = {}
-    for ph in sorted(set(p.phase[:n])):
+    for ph in sorted(set(p.phase)):
         d = late[phases == ph]
         out[ph] = {"p50_s": float(np.quantile(d, 0.5)), "p99_s": float(np.quantile(d, 0.99)),
                    "max_s": float(d.max()), "requests": int(len(d))}
@@ -221,14 +224,16 @@ def _windows_into(out: Path, windows: pa.Table, shift_ns: int) -> None:
         con.close()
 
 
-def _replayed_issue_times(out: Path) -> np.ndarray:
+def _replayed(out: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The issue times and sizes of the block reads and writes the new session holds."""
     from kvprof.store.session import open_session
 
     con = open_session(out)
     try:
-        return np.asarray(con.execute(
-            "SELECT issue_ns FROM io WHERE layer = 'block' AND op IN ('read', 'write') "
-            "AND bytes > 0 ORDER BY issue_ns").fetchnumpy()["issue_ns"], np.int64)
+        got = con.execute(
+            "SELECT issue_ns, bytes FROM io WHERE layer = 'block' AND op IN ('read', 'write') "
+            "AND bytes > 0 ORDER BY issue_ns").fetchnumpy()
+        return np.asarray(got["issue_ns"], np.int64), np.asarray(got["bytes"], np.int64)
     finally:
         con.close()
 
@@ -252,7 +257,7 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
     if any(shifts):
         print(f"kvprof: the session kept 1 in up to {1 << max(shifts)} requests past its "
               "--event-rate: the replay issues the kept ones only", file=sys.stderr)
-    target = prepare(on, p.span, force)
+    target = prepare(on, p.span, force, verb="replay")
     if target.size < p.span:
         raise KvprofError(f"{on} has {target.size >> 20} MiB; the recorded requests reach over "
                           f"{p.span >> 20} MiB", EX_USAGE)
@@ -302,12 +307,13 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
         shutil.rmtree(tmp, ignore_errors=True)
         if target.scratch is not None:
             target.scratch.unlink(missing_ok=True)
-    issued = _replayed_issue_times(dest)
+    issued, sizes = _replayed(dest)
     if len(issued):
         _windows_into(dest, windows, int(issued[0]) - p.t0)
-    behind = lag(p, issued, speed)
+    behind = lag(p, issued, sizes, speed)
     return {"session": str(dest), "candidate": on, "speed": speed,
-            "requests": len(p.issue_ns), "replayed": int(len(issued)), "lag": behind}
+            "requests": len(p.issue_ns), "bytes": int(p.size.sum()),
+            "replayed": int(len(issued)), "replayed_bytes": int(sizes.sum()), "lag": behind}
 
 
 def run(args: argparse.Namespace) -> int:
