@@ -4,6 +4,9 @@ and device (kvprof/views/iolog.py)."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+
+import pyarrow as pa
 
 from kvprof.errors import EX_USAGE, KvprofError
 
@@ -29,40 +32,62 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _iologs(args: argparse.Namespace) -> int:
-    import sys
-    from pathlib import Path
+@dataclass
+class Recorded:
+    """What replaying a session starts from: its block requests with their phases
+    (SqlRows.block_requests over the whole session), its phase windows (open ones too), the
+    event sampling's shifts and its start."""
+    requests: pa.Table
+    windows: pa.Table
+    shifts: list[int]
+    start_ns: int
 
+    @property
+    def kept_one_in(self) -> int | None:
+        """1 in how many requests at most the event tier kept, where it sampled."""
+        return 1 << max(self.shifts) if any(self.shifts) else None
+
+
+def recorded(session: str) -> Recorded:
     import duckdb
 
     from kvprof.analysis.fold import flatten
     from kvprof.analysis.rowsource import Pieces, SqlRows
-    from kvprof.errors import EX_DATAERR
     from kvprof.store.session import open_session, unreadable
-    from kvprof.views.iolog import write_iologs
 
-    con = open_session(args.session)
+    con = open_session(session)
     try:
         rows = SqlRows(con.cursor())
         info = rows.info()
-        ws, we, wp = flatten(rows.windows(), info.start_ns, info.end_ns)
+        windows = rows.windows()
+        ws, we, wp = flatten(windows, info.start_ns, info.end_ns)
         pieces = Pieces(ws, we, wp, info.start_ns, info.end_ns, info.start_ns, True)
-        requests = rows.block_requests(pieces)
-        shifts = rows.sampling(info.start_ns, info.end_ns)
+        return Recorded(rows.block_requests(pieces), windows,
+                        rows.sampling(info.start_ns, info.end_ns), info.start_ns)
     except duckdb.Error as e:
-        raise unreadable(e, f"{args.session}: the session's data is damaged") from None
+        raise unreadable(e, f"{session}: the session's data is damaged") from None
     finally:
         con.close()
-    if requests.num_rows == 0:
+
+
+def _iologs(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    from kvprof.errors import EX_DATAERR
+    from kvprof.views.iolog import write_iologs
+
+    got = recorded(args.session)
+    if got.requests.num_rows == 0:
         raise KvprofError(f"{args.session}: no block requests recorded one by one (recorded "
                           "with --no-events, or without the block layer): nothing to replay",
                           EX_DATAERR)
-    done = write_iologs(requests, Path(args.fio_iolog))
+    done = write_iologs(got.requests, Path(args.fio_iolog))
     for (phase, dev), (n, nbytes) in sorted(done.requests.items()):
         print(f"{args.fio_iolog}/{phase}.{dev}.iolog\t{phase}\t{dev}\t{n} requests\t"
               f"{nbytes} bytes")
-    if any(shifts):
-        print(f"kvprof: the session kept 1 in up to {1 << max(shifts)} rows past its "
+    if got.kept_one_in:
+        print(f"kvprof: the session kept 1 in up to {got.kept_one_in} rows past its "
               "--event-rate: the iologs hold the rows it kept, not every request",
               file=sys.stderr)
     for op, n in sorted(done.left_out.items()):

@@ -11,8 +11,8 @@ phase (when it had issued each planned request's bytes, against when that was du
 
 Not fio: fio 3.33 replaying an iolog waits for each line's time by spinning (one core per
 job, which here is the CPU the candidate's I/O needs), and through one asynchronous queue
-leaves up to its depth - 1 of the requests unissued while counting them done. `kvprof export --fio-iolog` writes the same
-requests for fio, for those who replay with it.
+leaves up to its depth - 1 of the requests unissued while counting them done. `kvprof export
+--fio-iolog` writes the same requests for fio, for those who replay with it.
 
 The new session holds the recording's phase windows, moved to the replay's clock (its first
 request at the recording's first), so its report and `compare` split the same way.
@@ -87,9 +87,8 @@ def plan(requests: pa.Table, phases: list[str]) -> Plan:
 
 def issue(p: Plan, path: str, speed: float, lead_ns: int = 0, jobs: int = JOBS) -> None:
     """Issue the plan's requests on `path` at their times, the first `lead_ns` from now,
-    `jobs` at once at most.
-    The threads sleep rather than spin while they wait (the candidate's I/O needs the CPU),
-    and leave the GIL in the reads and writes themselves."""
+    `jobs` at once at most. The threads sleep rather than spin while they wait (the
+    candidate's I/O needs the CPU), and leave the GIL in the reads and writes themselves."""
     import itertools
     import mmap
     import os
@@ -156,30 +155,6 @@ def lag(p: Plan, issued_ns: np.ndarray, issued_bytes: np.ndarray,
     return out
 
 
-def _original(session: str) -> tuple[pa.Table, pa.Table, list[int], int]:
-    """The recording's block requests (with their phases), its phase windows, its event
-    sampling and its start."""
-    import duckdb
-
-    from kvprof.analysis.fold import flatten
-    from kvprof.analysis.rowsource import Pieces, SqlRows
-    from kvprof.store.session import open_session, unreadable
-
-    con = open_session(session)
-    try:
-        rows = SqlRows(con.cursor())
-        info = rows.info()
-        windows = con.execute("SELECT * FROM phase").to_arrow_table()
-        ws, we, wp = flatten(rows.windows(), info.start_ns, info.end_ns)
-        pieces = Pieces(ws, we, wp, info.start_ns, info.end_ns, info.start_ns, True)
-        return (rows.block_requests(pieces), windows,
-                rows.sampling(info.start_ns, info.end_ns), info.start_ns)
-    except duckdb.Error as e:
-        raise unreadable(e, f"{session}: the session's data is damaged") from None
-    finally:
-        con.close()
-
-
 @contextmanager
 def _no_merges(dev: str) -> Iterator[None]:
     """The device merging no requests while the replay runs (queue/nomerges 2), put back
@@ -207,19 +182,20 @@ def _progress(started: float, total_s: float, done: threading.Event) -> None:
 
 
 def _windows_into(out: Path, windows: pa.Table, shift_ns: int) -> None:
-    """The recording's windows, moved by `shift_ns`, into the new session's phase table."""
+    """The recording's windows (store.phase_windows' columns: those still open when it
+    ended too), moved by `shift_ns`, into the new session's phase table."""
     import duckdb
 
     from kvprof.store.session import segments
 
-    moved = windows.set_column(windows.schema.get_field_index("start_ns"), "start_ns",
-                               pa.array(np.asarray(windows["start_ns"]) + shift_ns))
-    moved = moved.set_column(moved.schema.get_field_index("end_ns"), "end_ns",
-                             pa.array(np.asarray(moved["end_ns"]) + shift_ns))
+    cols = ", ".join(windows.column_names)
     con = duckdb.connect(str(segments(out)[-1]))
     try:
-        con.register("_moved", moved)
-        con.execute("INSERT INTO phase SELECT * FROM _moved")
+        con.register("_windows", windows)
+        con.execute(f"""INSERT INTO phase ({cols})
+                        SELECT * REPLACE (start_ns + {int(shift_ns)} AS start_ns,
+                                          end_ns + {int(shift_ns)} AS end_ns)
+                        FROM _windows""")
     finally:
         con.close()
 
@@ -247,15 +223,17 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
 
     if speed <= 0:
         raise KvprofError("--speed must be positive", EX_USAGE)
-    requests, windows, shifts, began = _original(session)
-    p = plan(requests, phases)
+    from kvprof.commands.export import recorded
+
+    got = recorded(session)
+    p = plan(got.requests, phases)
     if len(p.issue_ns) == 0:
         raise KvprofError(f"{session}: no block reads or writes recorded one by one"
                           + (f" in {', '.join(phases)}" if phases else "")
                           + " (a --no-events session keeps none): nothing to replay",
                           EX_DATAERR)
-    if any(shifts):
-        print(f"kvprof: the session kept 1 in up to {1 << max(shifts)} requests past its "
+    if got.kept_one_in:
+        print(f"kvprof: the session kept 1 in up to {got.kept_one_in} requests past its "
               "--event-rate: the replay issues the kept ones only", file=sys.stderr)
     target = prepare(on, p.span, force, verb="replay")
     if target.size < p.span:
@@ -295,7 +273,7 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
         try:
             # The first request as long after attaching as in the recording (up to
             # LEAD_MAX_NS), so the windows that began before it fall inside the new session.
-            issue(p, target.path, speed, int(min(p.t0 - began, LEAD_MAX_NS) / speed))
+            issue(p, target.path, speed, int(min(p.t0 - got.start_ns, LEAD_MAX_NS) / speed))
         finally:
             done.set()
             time.sleep(0.3)  # the last completions into the recording
@@ -309,7 +287,7 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
             target.scratch.unlink(missing_ok=True)
     issued, sizes = _replayed(dest)
     if len(issued):
-        _windows_into(dest, windows, int(issued[0]) - p.t0)
+        _windows_into(dest, got.windows, int(issued[0]) - p.t0)
     behind = lag(p, issued, sizes, speed)
     return {"session": str(dest), "candidate": on, "speed": speed,
             "requests": len(p.issue_ns), "bytes": int(p.size.sum()),
