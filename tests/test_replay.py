@@ -8,7 +8,14 @@ import subprocess
 import time
 
 from kvprof.markers import Marker
-from tests.conftest import live, run_kvprof, settle
+from tests.conftest import (
+    WRITE_IOS,
+    WRITE_SECTORS,
+    live,
+    run_kvprof,
+    settle,
+    stat_delta,
+)
 
 pytestmark = live
 
@@ -35,17 +42,24 @@ def _engine_like(dev: str, marker: Marker) -> None:
 def test_a_replay_on_the_same_kind_of_device_reproduces_each_phase(
         loopdev, loopdev2, start_recorder, tmp_path):
     rec = start_recorder("-d", loopdev)
-    settle(loopdev)
+    r0 = settle(loopdev)
     _engine_like(loopdev, Marker(rec.socket, engine="test"))
+    recorded = stat_delta(r0, settle(loopdev))
     time.sleep(0.5)
     assert rec.stop() == 0
     before = rec.report()
 
     out = tmp_path / "replayed"
+    s0 = settle(loopdev2)
     r = run_kvprof("replay", str(rec.out), "--on", f"/dev/{loopdev2}", "-o", str(out),
                    "--json")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
+    # The writes the candidate got, by its own counters, are the ones the recorded device
+    # got, by its own: one for one, none merged. (Its reads also count the safety check's
+    # look at its first MiB.)
+    d = stat_delta(s0, settle(loopdev2))
+    assert (d[WRITE_IOS], d[WRITE_SECTORS]) == (recorded[WRITE_IOS], recorded[WRITE_SECTORS])
     after = json.loads(run_kvprof("report", str(out), "--json").stdout)
     # Loop devices on 6.18 complete a few requests in a million without the completion
     # tracepoint; each session counts those it missed (block_completion_not_seen), and the
