@@ -343,7 +343,7 @@ def _lookup(pieces: Pieces) -> pa.Table:
         start[0] = np.iinfo(np.int64).min
     # The phase also as its index in schema.PHASES, for queries that group millions of rows
     # by it (an integer key groups faster than a string; _PHASE_OF maps it back).
-    return pa.table({"w_start": start, "w_phase": pieces.phase.astype(str),
+    return pa.table({"w_start": start, "w_end": pieces.end, "w_phase": pieces.phase.astype(str),
                      "w_code": phase_codes(pieces.phase)})
 
 
@@ -608,13 +608,17 @@ class SqlRows(RowSource):
     def block_requests(self, pieces: Pieces) -> pa.Table:
         """Every block request's phase (the window holding its issue time, the report's rule),
         device, op, offset in bytes, size and issue time, in issue order: what a replay
-        issues (`kvprof export --fio-iolog`)."""
+        issues (`kvprof export --fio-iolog`); sample_weight: the requests each row stands for;
+        piece_end: when the piece of window holding it ends."""
+        weight = ("1" if "sample_weight" in missing_columns(self.cur, "io")
+                  else "coalesce(sample_weight, 1)")
         self.cur.register("_kv_windows", _lookup(pieces))
         try:
-            return self.cur.sql("""
+            return self.cur.sql(f"""
                 SELECT w.w_phase AS phase, io.dev_name, io.op, io.sector * 512 AS offset,
-                       io.bytes, io.issue_ns
-                FROM (SELECT dev_name, op, sector, bytes, issue_ns FROM io
+                       io.bytes, io.issue_ns, io.sample_weight, w.w_end AS piece_end
+                FROM (SELECT dev_name, op, sector, bytes, issue_ns,
+                             {weight}::UINTEGER AS sample_weight FROM io
                       WHERE layer = 'block') io
                 ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start
                 ORDER BY io.issue_ns""").to_arrow_table()

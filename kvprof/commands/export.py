@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from kvprof.errors import EX_USAGE, KvprofError
+
+if TYPE_CHECKING:
+    from kvprof.analysis.scaleup import Scaled
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,16 +40,32 @@ def run(args: argparse.Namespace) -> int:
 class Recorded:
     """What replaying a session starts from: its block requests with their phases
     (SqlRows.block_requests over the whole session), its phase windows (open ones too), the
-    event sampling's shifts and its start."""
+    event sampling's shifts and its start. Where the event tier sampled, `requests` are
+    the kept rows scaled up to the aggregate tier's counts, and `scaled` says how."""
     requests: pa.Table
     windows: pa.Table
     shifts: list[int]
     start_ns: int
+    scaled: Scaled | None = None
 
     @property
     def kept_one_in(self) -> int | None:
         """1 in how many requests at most the event tier kept, where it sampled."""
         return 1 << max(self.shifts) if any(self.shifts) else None
+
+    def say_scaled(self, what: str) -> str | None:
+        """One line on the scaling, for stderr; None where nothing was sampled."""
+        if not self.kept_one_in:
+            return None
+        if self.scaled is None:
+            return (f"kvprof: the session kept 1 in up to {self.kept_one_in} requests past "
+                    f"its --event-rate and has no aggregate tier to scale them up from: "
+                    f"{what} the kept ones only")
+        return (f"kvprof: the session kept 1 in up to {self.kept_one_in} requests past its "
+                f"--event-rate: {what} {self.scaled.issued} requests, its "
+                f"{self.scaled.kept} kept rows scaled up to the counts of its aggregate tier "
+                "(copies at the next offsets, spread to the next kept row; sizes the kept "
+                "rows')")
 
 
 def recorded(session: str) -> Recorded:
@@ -53,6 +73,7 @@ def recorded(session: str) -> Recorded:
 
     from kvprof.analysis.fold import flatten
     from kvprof.analysis.rowsource import Pieces, SqlRows
+    from kvprof.analysis.scaleup import scale_up
     from kvprof.store.session import open_session, unreadable
 
     con = open_session(session)
@@ -62,8 +83,19 @@ def recorded(session: str) -> Recorded:
         windows = rows.windows()
         ws, we, wp = flatten(windows, info.start_ns, info.end_ns)
         pieces = Pieces(ws, we, wp, info.start_ns, info.end_ns, info.start_ns, True)
-        return Recorded(rows.block_requests(pieces), windows,
-                        rows.sampling(info.start_ns, info.end_ns), info.start_ns)
+        got = Recorded(rows.block_requests(pieces), windows,
+                       rows.sampling(info.start_ns, info.end_ns), info.start_ns)
+        if got.kept_one_in and got.requests.num_rows:
+            counts: dict[tuple[str, str, str], int] = {}
+            for dev in set(got.requests["dev_name"].to_pylist()):
+                agg = rows.aggregate(info.start_ns, info.end_ns, True, dev)
+                for a in (agg[0] if agg else []):
+                    if a.layer == "block":
+                        key = (a.phase, dev, a.op)
+                        counts[key] = counts.get(key, 0) + int(a.ios)
+            if counts:
+                got.requests, got.scaled = scale_up(got.requests, counts)
+        return got
     except duckdb.Error as e:
         raise unreadable(e, f"{session}: the session's data is damaged") from None
     finally:
@@ -86,10 +118,9 @@ def _iologs(args: argparse.Namespace) -> int:
     for (phase, dev), (n, nbytes) in sorted(done.requests.items()):
         print(f"{args.fio_iolog}/{phase}.{dev}.iolog\t{phase}\t{dev}\t{n} requests\t"
               f"{nbytes} bytes")
-    if got.kept_one_in:
-        print(f"kvprof: the session kept 1 in up to {got.kept_one_in} rows past its "
-              "--event-rate: the iologs hold the rows it kept, not every request",
-              file=sys.stderr)
+    said = got.say_scaled("the iologs hold")
+    if said:
+        print(said, file=sys.stderr)
     for op, n in sorted(done.left_out.items()):
         print(f"kvprof: {n} {op} requests left out (the device's own, not replayed)",
               file=sys.stderr)

@@ -84,6 +84,9 @@ class RecordOptions:
     socket_mode: int = 0o660
     socket_group: str | None = None
     allow_senders: list[str] = field(default_factory=list)
+    # Phase sources the caller made itself (kvprof replay's: the recording's windows), run
+    # as the ones named by --phases are.
+    feeds: list = field(default_factory=list)
     # Give up, once attached, the privileges the recording no longer needs
     # (kvprof.privileges). Only for a process of its own: what the caller does afterwards
     # in this thread runs without them too (the CLI sets it; --keep-privileges does not).
@@ -256,6 +259,7 @@ class Recorder:
                 if opts.phases:  # asked for by name: say so and stop
                     raise
                 self.log(f"kvprof: phase source {spec} not used: {e}")
+        self.sources.extend((src.name, src) for src in opts.feeds)
         self.capture = capture = Capture(opts.layers, filters, cache_rules=cache_rules,
                                          device_events=opts.events,
                                          event_rate=opts.event_rate,

@@ -15,7 +15,9 @@ leaves up to its depth - 1 of the requests unissued while counting them done. `k
 --fio-iolog` writes the same requests for fio, for those who replay with it.
 
 The new session holds the recording's phase windows, moved to the replay's clock (its first
-request at the recording's first), so its report and `compare` split the same way.
+request at the recording's first) and sent to its recorder as the replay reaches them
+(kvprof/phases/replayed.py), so its report, exact tier and idle time per phase and `compare`
+split the same way.
 
 While it replays, the candidate merges no requests (queue/nomerges, put back after): the
 recorded requests were merged already.
@@ -85,9 +87,9 @@ def plan(requests: pa.Table, phases: list[str]) -> Plan:
     return Plan(out, size, op[keep].tolist(), phase[keep].tolist(), issue, base)
 
 
-def issue(p: Plan, path: str, speed: float, lead_ns: int = 0, jobs: int = JOBS) -> None:
-    """Issue the plan's requests on `path` at their times, the first `lead_ns` from now,
-    `jobs` at once at most. The threads sleep rather than spin while they wait (the
+def issue(p: Plan, path: str, speed: float, start_ns: int, jobs: int = JOBS) -> None:
+    """Issue the plan's requests on `path` at their times, the first at `start_ns`
+    (monotonic), `jobs` at once at most. The threads sleep rather than spin while they wait (the
     candidate's I/O needs the CPU), and leave the GIL in the reads and writes themselves."""
     import itertools
     import mmap
@@ -100,7 +102,7 @@ def issue(p: Plan, path: str, speed: float, lead_ns: int = 0, jobs: int = JOBS) 
     due = ((p.issue_ns - p.t0) / speed).astype(np.int64).tolist()
     data = os.urandom(max(size))  # what writes carry: incompressible, as KV cache is
     errors: list[OSError] = []
-    start = time.monotonic_ns() + lead_ns
+    start = start_ns
 
     def work() -> None:
         buf = mmap.mmap(-1, max(size))  # page-aligned, as O_DIRECT needs
@@ -181,25 +183,6 @@ def _progress(started: float, total_s: float, done: threading.Event) -> None:
     print(file=sys.stderr)
 
 
-def _windows_into(out: Path, windows: pa.Table, shift_ns: int) -> None:
-    """The recording's windows (store.phase_windows' columns: those still open when it
-    ended too), moved by `shift_ns`, into the new session's phase table."""
-    import duckdb
-
-    from kvprof.store.session import segments
-
-    cols = ", ".join(windows.column_names)
-    con = duckdb.connect(str(segments(out)[-1]))
-    try:
-        con.register("_windows", windows)
-        con.execute(f"""INSERT INTO phase ({cols})
-                        SELECT * REPLACE (start_ns + {int(shift_ns)} AS start_ns,
-                                          end_ns + {int(shift_ns)} AS end_ns)
-                        FROM _windows""")
-    finally:
-        con.close()
-
-
 def _replayed(out: Path) -> tuple[np.ndarray, np.ndarray]:
     """The issue times and sizes of the block reads and writes the new session holds."""
     from kvprof.store.session import open_session
@@ -220,6 +203,7 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
 
     from kvprof.commands.calibrate import prepare
     from kvprof.commands.record import RecordOptions, Recorder, default_out
+    from kvprof.phases.replayed import ReplayedWindows
 
     if speed <= 0:
         raise KvprofError("--speed must be positive", EX_USAGE)
@@ -232,9 +216,9 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
                           + (f" in {', '.join(phases)}" if phases else "")
                           + " (a --no-events session keeps none): nothing to replay",
                           EX_DATAERR)
-    if got.kept_one_in:
-        print(f"kvprof: the session kept 1 in up to {got.kept_one_in} requests past its "
-              "--event-rate: the replay issues the kept ones only", file=sys.stderr)
+    said = got.say_scaled("the replay issues")
+    if said:
+        print(said, file=sys.stderr)
     target = prepare(on, p.span, force, verb="replay")
     if target.size < p.span:
         raise KvprofError(f"{on} has {target.size >> 20} MiB; the recorded requests reach over "
@@ -246,8 +230,12 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
     try:
         attached = threading.Event()
         stop = threading.Event()
+        # The recording's windows sent as the replay reaches them, and no other source's
+        # (phases=["marks"]: nothing discovered on this host).
+        windows = ReplayedWindows(got.windows)
         opts = RecordOptions(out=str(dest), devices=[target.device.name], event_rate=0,
-                             socket=str(tmp / "marks.sock"))
+                             socket=str(tmp / "marks.sock"), phases=["marks"],
+                             feeds=[windows])
         errors: list[BaseException] = []
 
         def recording() -> None:
@@ -273,7 +261,9 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
         try:
             # The first request as long after attaching as in the recording (up to
             # LEAD_MAX_NS), so the windows that began before it fall inside the new session.
-            issue(p, target.path, speed, int(min(p.t0 - got.start_ns, LEAD_MAX_NS) / speed))
+            start = time.monotonic_ns() + int(min(p.t0 - got.start_ns, LEAD_MAX_NS) / speed)
+            windows.schedule(start, p.t0, speed)
+            issue(p, target.path, speed, start)
         finally:
             done.set()
             time.sleep(0.3)  # the last completions into the recording
@@ -286,12 +276,13 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
         if target.scratch is not None:
             target.scratch.unlink(missing_ok=True)
     issued, sizes = _replayed(dest)
-    if len(issued):
-        _windows_into(dest, got.windows, int(issued[0]) - p.t0)
     behind = lag(p, issued, sizes, speed)
     return {"session": str(dest), "candidate": on, "speed": speed,
             "requests": len(p.issue_ns), "bytes": int(p.size.sum()),
-            "replayed": int(len(issued)), "replayed_bytes": int(sizes.sum()), "lag": behind}
+            "replayed": int(len(issued)), "replayed_bytes": int(sizes.sum()), "lag": behind,
+            "scaled_up": None if got.scaled is None else [
+                {"phase": ph, "device": dev, "op": op, "kept": kept, "issued": n}
+                for (ph, dev, op), (kept, n) in sorted(got.scaled.groups.items())]}
 
 
 def run(args: argparse.Namespace) -> int:
