@@ -89,6 +89,12 @@ IO = pa.schema(
         # readahead it started), counted as it happened in the calling thread; NULL for other
         # rows, and where the kernel lacks the tracepoint. Absent from older sessions.
         ("fetched_bytes", pa.uint64()),
+        # syscall reads and writes: the file offset of the call's first byte, as the call
+        # named it (pread64, pwritev ...) or, for read/write/readv/writev, the open file's
+        # position followed from its open on (each call's bytes after the one before, as
+        # the kernel moves it without an lseek; capture/ebpf.py). What a replay issues on
+        # another filesystem. NULL elsewhere and in older sessions.
+        ("file_offset", pa.int64()),
     ]
 )
 
@@ -301,7 +307,7 @@ DEVICE_BUSY = pa.schema(
 # The layout of the tables above, written into every Parquet export (its key-value metadata
 # `kvprof.schema_version`). Raised when a table or column is added; readers take older
 # versions (missing tables empty, missing columns NULL).
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 
 # Every session has these; the others came later and are absent from older recordings.
 CORE_TABLES = ("io", "phase", "session")

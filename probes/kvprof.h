@@ -65,7 +65,7 @@
 #endif
 
 struct kvprof_io {
-    u64 insert_ns;
+    u64 insert_ns; /* syscall: the offset the call named, or all ones (syscall.bpf.c) */
     u64 issue_ns;
     u64 complete_ns;
     u64 sector; /* block: the first sector; syscall reads: bytes fetched (syscall.bpf.c) */

@@ -39,8 +39,13 @@ struct file_val {
     u16 pad[3];
 };
 
+/* sys_start.pos of a call that names no offset: read, write, readv, writev, preadv2 and
+ * pwritev2 at -1 (the file's own position, which user space follows per open file). */
+#define KVPROF_POS_NONE 0xffffffffffffffffULL
+
 struct sys_start {
     u64 enter_ns;
+    u64 pos; /* the offset the call named (pread64, pwrite64, preadv ...), else POS_NONE */
     u64 id;
     u64 fetched; /* bytes this thread put into the page cache during the call */
     u32 asked;
@@ -94,7 +99,7 @@ BPF_ARRAY(open_layout, struct kvprof_open, 1);
 #define SYS_FSYNC 10
 #define SYS_FDATASYNC 11
 
-static __always_inline int sys_begin(s64 fd, u8 op, u8 sysno, u64 asked)
+static __always_inline int sys_begin(s64 fd, u8 op, u8 sysno, u64 asked, u64 pos)
 {
     u64 id = bpf_get_current_pid_tgid();
     struct file_key k = {};
@@ -105,6 +110,7 @@ static __always_inline int sys_begin(s64 fd, u8 op, u8 sysno, u64 asked)
         return 0;
     struct sys_start s = {};
     s.enter_ns = bpf_ktime_get_ns();
+    s.pos = pos;
     s.id = f->id;
     s.flags = f->flags;
     s.asked = asked > 0xffffffffULL ? 0xffffffff : (u32)asked;
@@ -155,6 +161,7 @@ static __always_inline int sys_end(s64 ret)
     e.asked = s->asked;
     e.layer = KVPROF_LAYER_SYSCALL;
     e.sector = s->fetched; /* no sector for a syscall: the slot carries what it fetched */
+    e.insert_ns = s->pos;  /* and no scheduler queue: this slot carries the offset named */
     bpf_get_current_comm(&e.comm, sizeof(e.comm));
     sys_start_map.delete(&tid);
     kvprof_emit(&e);
@@ -181,29 +188,47 @@ TRACEPOINT_PROBE(filemap, mm_filemap_add_to_page_cache)
 #endif
 
 TRACEPOINT_PROBE(syscalls, sys_enter_read)
-{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_READ, args->count); }
+{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_READ, args->count, KVPROF_POS_NONE); }
 TRACEPOINT_PROBE(syscalls, sys_enter_pread64)
-{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREAD64, args->count); }
+{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREAD64, args->count, args->pos); }
 TRACEPOINT_PROBE(syscalls, sys_enter_readv)
-{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_READV, iov_bytes(args->vec, args->vlen)); }
+{
+    return sys_begin(args->fd, KVPROF_OP_READ, SYS_READV, iov_bytes(args->vec, args->vlen),
+                     KVPROF_POS_NONE);
+}
 TRACEPOINT_PROBE(syscalls, sys_enter_preadv)
-{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREADV, iov_bytes(args->vec, args->vlen)); }
+{
+    return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREADV, iov_bytes(args->vec, args->vlen),
+                     args->pos_l);
+}
 TRACEPOINT_PROBE(syscalls, sys_enter_preadv2)
-{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREADV2, iov_bytes(args->vec, args->vlen)); }
+{
+    return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREADV2, iov_bytes(args->vec, args->vlen),
+                     args->pos_l);
+}
 TRACEPOINT_PROBE(syscalls, sys_enter_write)
-{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_WRITE, args->count); }
+{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_WRITE, args->count, KVPROF_POS_NONE); }
 TRACEPOINT_PROBE(syscalls, sys_enter_pwrite64)
-{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITE64, args->count); }
+{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITE64, args->count, args->pos); }
 TRACEPOINT_PROBE(syscalls, sys_enter_writev)
-{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_WRITEV, iov_bytes(args->vec, args->vlen)); }
+{
+    return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_WRITEV, iov_bytes(args->vec, args->vlen),
+                     KVPROF_POS_NONE);
+}
 TRACEPOINT_PROBE(syscalls, sys_enter_pwritev)
-{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITEV, iov_bytes(args->vec, args->vlen)); }
+{
+    return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITEV, iov_bytes(args->vec, args->vlen),
+                     args->pos_l);
+}
 TRACEPOINT_PROBE(syscalls, sys_enter_pwritev2)
-{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITEV2, iov_bytes(args->vec, args->vlen)); }
+{
+    return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITEV2, iov_bytes(args->vec, args->vlen),
+                     args->pos_l);
+}
 TRACEPOINT_PROBE(syscalls, sys_enter_fsync)
-{ return sys_begin(args->fd, KVPROF_OP_FLUSH, SYS_FSYNC, 0); }
+{ return sys_begin(args->fd, KVPROF_OP_FLUSH, SYS_FSYNC, 0, KVPROF_POS_NONE); }
 TRACEPOINT_PROBE(syscalls, sys_enter_fdatasync)
-{ return sys_begin(args->fd, KVPROF_OP_FLUSH, SYS_FDATASYNC, 0); }
+{ return sys_begin(args->fd, KVPROF_OP_FLUSH, SYS_FDATASYNC, 0, KVPROF_POS_NONE); }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_read) { return sys_end(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_exit_pread64) { return sys_end(args->ret); }

@@ -557,3 +557,53 @@ def test_files_opened_by_many_threads_at_once_are_all_named(start_recorder, tmp_
           f"{report['session']['lost_by_reason']}")
     assert unnamed == 0
     assert_kernel_count(named, int(out), report)
+
+
+OFFSETS_USER = """
+import json, os, sys
+sys.stdin.readline()
+path = sys.argv[1]
+seen = []  # (op, the kernel's own position or the offset named, bytes), per call
+fd = os.open(path, os.O_RDWR | os.O_CREAT)
+def at():
+    return os.lseek(fd, 0, os.SEEK_CUR)
+for n in (4096, 1000, 70000):
+    seen.append(("write", at(), os.write(fd, b"w" * n)))
+seen.append(("write", 1 << 20, os.pwrite(fd, b"p" * 512, 1 << 20)))
+seen.append(("write", 8192, os.pwritev(fd, [b"v" * 100, b"v" * 200], 8192)))
+os.lseek(fd, 0, os.SEEK_SET)  # (untraced: the position followed from the open would miss it)
+os.close(fd)
+fd = os.open(path, os.O_RDONLY)
+for n in (3000, 5000):
+    seen.append(("read", at(), len(os.read(fd, n))))
+seen.append(("read", 5, len(os.pread(fd, 10, 5))))
+buf = bytearray(300)
+seen.append(("read", 1 << 20, os.preadv(fd, [buf], 1 << 20)))
+seen.append(("read", at(), os.readv(fd, [bytearray(64)])))
+os.close(fd)
+print(json.dumps(seen), flush=True)
+"""
+
+
+@live
+def test_file_offsets_are_where_the_kernel_put_each_call(start_recorder, tmp_path):
+    """A replay on another filesystem issues each call at its offset: the offset a pread or
+    pwritev named, and for read/write/readv the file's position, followed from its open on.
+    Checked against the kernel's own position (lseek before each call) and the offsets named."""
+    import json
+
+    path = tmp_path / "chunk.bin"
+    user = subprocess.Popen([sys.executable, "-c", OFFSETS_USER, str(path)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    rec = start_recorder("-p", str(user.pid), "--layer", "syscall")
+    out = user.communicate("go\n", timeout=60)[0]
+    assert rec.stop() == 0, "".join(rec.stderr_lines)
+    want = [tuple(r) for r in json.loads(out)]
+    con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
+    try:
+        got = con.execute("""SELECT op, file_offset, bytes FROM io WHERE layer = 'syscall'
+                             AND op IN ('read', 'write') AND tgid = ? AND path = ?
+                             ORDER BY issue_ns""", [user.pid, str(path)]).fetchall()
+    finally:
+        con.close()
+    assert got == want

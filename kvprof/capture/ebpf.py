@@ -91,6 +91,8 @@ LAYER_TCP = layer_table.TCP.code
 LAYER_GDS = layer_table.GDS.code
 LAYER_WRITEBACK = 7  # KVPROF_LAYER_WRITEBACK: writeback bios, not io rows
 OP_READ = schema.OPS.index("read")
+OP_WRITE = schema.OPS.index("write")
+POS_NONE = np.uint64(0xFFFFFFFFFFFFFFFF)  # KVPROF_POS_NONE in probes/syscall.bpf.c
 DRAIN_INTERVAL_S = 0.02
 # 16 MiB: about 170 k events, most of a second at 250 k events/s, so a pause of the Python
 # side (a store flush holding the GIL) does not overflow the ring.
@@ -239,6 +241,7 @@ class Capture:
         self._not_regular_rows = 0
         self._held = np.empty(0, EVENT_DTYPE)  # rows waiting for their file's open record
         self._held_age = np.empty(0, np.int32)
+        self._file_pos: dict[int, int] = {}  # open file id -> its position (_file_offsets)
         if "syscall" in layers:
             opens = self.bpf["opens"]
             self._opens = RingReader(opens.map_fd, int(opens.max_entries), OPEN_DTYPE)
@@ -467,9 +470,14 @@ class Capture:
         self.events_total += len(ev)
         if len(ev):
             out["io"] = self.to_batch(ev)
+        self._forget_closed(closed)
+        return out
+
+    def _forget_closed(self, closed: set[int]) -> None:
         if self.files is not None:
             self.files.forget(closed)
-        return out
+        for i in closed:
+            self._file_pos.pop(i, None)
 
     def _hold_unnamed(self, ev: np.ndarray) -> np.ndarray:
         """Rows of files whose open record has not been read yet are held for the next take:
@@ -512,6 +520,31 @@ class Capture:
         }
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.WRITEBACK],
                                           schema=schema.WRITEBACK)
+
+    def _file_offsets(self, ev: np.ndarray, sysc: np.ndarray) -> pa.Array:
+        """Syscall reads' and writes' file offsets: the one the call named (its insert_ns
+        slot), else the open file's position, followed here per open file id from 0 at its
+        open: each call's bytes after those of the one before it (as the kernel moves it,
+        where nothing seeks)."""
+        pos = ev["insert_ns"]
+        rw = sysc & ((ev["op"] == OP_READ) | (ev["op"] == OP_WRITE))
+        out = np.where(rw & (pos != POS_NONE), pos, 0).astype(np.int64)
+        follow = np.flatnonzero(rw & (pos == POS_NONE))
+        if len(follow):
+            order = np.lexsort((ev["issue_ns"][follow], ev["ctx"][follow]))
+            f = follow[order]
+            ids = ev["ctx"][f]
+            nbytes = ev["bytes"][f].astype(np.int64)
+            first = np.r_[True, ids[1:] != ids[:-1]]
+            group = np.cumsum(first) - 1
+            done = np.cumsum(nbytes)
+            starts = np.flatnonzero(first)
+            base = np.array([self._file_pos.get(int(i), 0) for i in ids[starts]], np.int64)
+            out[f] = base[group] + done - nbytes - (done[starts] - nbytes[starts])[group]
+            last = np.r_[starts[1:] - 1, len(f) - 1]
+            for i, end in zip(ids[last].tolist(), (out[f[last]] + nbytes[last]).tolist()):
+                self._file_pos[i] = end
+        return pa.array(out, mask=~rw)
 
     def device(self, kernel_dev: int) -> Device:
         d = self._dev_names.get(kernel_dev)
@@ -559,7 +592,8 @@ class Capture:
             "layer": _labels(layer, schema.LAYERS),
             "op": _labels(np.minimum(ev["op"], len(schema.OPS) - 1), schema.OPS),
             "flags": pa.array(ev["flags"] & 0x7FFF, pa.uint16()),
-            "insert_ns": pa.array(ev["insert_ns"].astype(np.int64)),
+            # (a syscall row's insert_ns slot: the offset the call named; file_offset below)
+            "insert_ns": pa.array(np.where(sysc, 0, ev["insert_ns"]).astype(np.int64)),
             "issue_ns": pa.array(ev["issue_ns"].astype(np.int64)),
             "complete_ns": pa.array(ev["complete_ns"].astype(np.int64)),
             "dev_major": pa.array((devs >> 20).astype(np.uint32), mask=~block),
@@ -587,6 +621,7 @@ class Capture:
             # (a syscall row's sector slot: what the read put into the page cache)
             "fetched_bytes": pa.array(ev["sector"], pa.uint64(),
                                       mask=~(sysc & (ev["op"] == OP_READ) & self._filemap)),
+            "file_offset": self._file_offsets(ev, sysc),
         }
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO], schema=schema.IO)
 
@@ -631,6 +666,7 @@ def _codes(layers: tuple[str, ...]) -> list[Code]:
     if "syscall" in layers:
         out += [Code(f"SYS_{name.upper()}", i, sch, "probes/syscall.bpf.c")
                 for i, name in enumerate(schema.SYSCALLS)]
+        out.append(Code("KVPROF_POS_NONE", int(POS_NONE), __name__, "probes/syscall.bpf.c"))
         out += FILE_CODES
     return out
 
