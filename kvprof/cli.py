@@ -264,13 +264,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write to a raw device even though it holds a filesystem or data")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
-    p = sub.add_parser("replay", help="issue a recorded session's block requests again on "
-                                      "candidate storage at their recorded times, recording "
-                                      "a new session with the same phase windows")
+    p = sub.add_parser("replay", help="issue a recorded session's I/O again on candidate "
+                                      "storage at its recorded times, recording a new session "
+                                      "with the same phase windows")
     p.add_argument("session")
     p.add_argument("--on", required=True, metavar="DEVICE_OR_DIR",
-                   help="the candidate: a directory (a scratch file is written there and "
+                   help="the candidate: a directory (scratch files are written there and "
                         "deleted) or a block device (written to: refused if it holds data)")
+    p.add_argument("--layer", choices=("block", "syscall"),
+                   help="what to replay: the block requests, or the file calls (syscall "
+                        "layer; on a directory). Default: the file calls on a directory where "
+                        "the session has them, else the block requests")
+    p.add_argument("--cache", action="append", default=[], metavar="NAME",
+                   help="file calls: replay only this KV cache's files (repeatable; default: "
+                        "the KV caches the session names, else every file)")
     p.add_argument("--phase", action="append", default=[], choices=("prefill", "decode",
                                                                      "mixed", "idle"),
                    help="replay only this phase's requests (repeatable; default: all)")

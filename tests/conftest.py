@@ -328,3 +328,19 @@ def assert_same_report(ours, ref, path: str = "") -> None:
             assert_same_report(a, b, f"{path}[{i}]")
     else:
         assert ours == ref, (path, ours, ref)
+
+
+def calls_near_edges(session: Path, late_s: float) -> int:
+    """The recorded file calls issued less than `late_s` before a window's start or end: a
+    replay that issued them that late put them in the next window."""
+    import duckdb
+
+    con = duckdb.connect(str(session / "session.duckdb"), read_only=True)
+    try:
+        return con.execute("""
+            SELECT count(*) FROM io, (SELECT start_ns AS t FROM phase UNION
+                                      SELECT end_ns FROM phase) w
+            WHERE layer = 'syscall' AND issue_ns < w.t AND issue_ns >= w.t - ?""",
+                           [int(late_s * 1e9) + 1]).fetchall()[0][0]
+    finally:
+        con.close()

@@ -101,7 +101,7 @@ def assert_device_is_diskstats(report: dict, s0: list[int], s1: list[int]) -> in
 
 
 def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ext4, tmp_path,
-                                                                     start_recorder):
+                                                                     start_recorder, loopdev2):
     root = ext4 / "kv"
     server, log = serve_with_connector(tmp_path, root, "fs")
     try:
@@ -171,6 +171,48 @@ def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ex
         "caches", {})
     # The device: what the kernel counted from attach on, in bytes, is kvprof's exact count.
     assert_device_is_diskstats(report, s0, s1)
+    replay_on_another_filesystem(rec.out, loopdev2, tmp_path, want, "vllm-fs-tier")
+
+
+def replay_on_another_filesystem(session: Path, dev: str, tmp_path: Path, want: dict,
+                                 cache: str) -> tuple[dict, dict]:
+    """The real engine's session replayed (`kvprof replay --on DIR`: its KV cache's file
+    calls) on a fresh ext4 on another device: per phase, the replay's calls and bytes of the
+    cache are the connector's (by the engine's windows), but for calls the replay issued
+    late across a window's edge; over all phases, exactly the connector's. Returns the
+    replay's result and its session's phases."""
+    from tests.conftest import calls_near_edges, mounted_ext4
+
+    new = tmp_path / "replayed"
+    with mounted_ext4(dev, tmp_path / "candidate") as cand:
+        r = run_kvprof("replay", str(session), "--on", str(cand), "-o", str(new), "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["layer"] == "syscall" and cache in r.stderr, r.stderr
+    late = max(lg["max_s"] for lg in result["lag"].values())
+    edge = calls_near_edges(session, late)
+    con = duckdb.connect(str(new / "session.duckdb"), read_only=True)
+    try:
+        mine = summarize(SqlRows(con), view=ViewFilter())["phases"]
+    finally:
+        con.close()
+    print(f"replayed {result['requests']} calls on another ext4, late by at most "
+          f"{late * 1e3:.2f} ms ({edge} recorded calls that close to an edge): "
+          + ", ".join(f"{ph} {op} {mine[ph]['syscall'][op]['ios']} calls "
+                      f"{mine[ph]['syscall'][op]['bytes']} B"
+                      for ph in schema.PHASES for op in ("read", "write")
+                      if mine[ph]["syscall"][op]["ios"]))
+    for op in ("read", "write"):
+        total = [0, 0]
+        for phase in schema.PHASES:
+            calls, nbytes = want.get(phase, {}).get(op, [0, 0])
+            got = mine[phase]["syscall"][op]
+            assert abs(got["ios"] - calls) <= edge, (phase, op, got["ios"], calls)
+            total = [total[0] + got["ios"], total[1] + got["bytes"]]
+        assert total == [sum(want.get(ph, {}).get(op, [0, 0])[k] for ph in want)
+                         for k in (0, 1)], (op, total)
+    assert all(lg["p99_s"] < 0.05 for lg in result["lag"].values()), result["lag"]
+    return result, mine
 
 
 # LMCache's cold reads, one reader against several, as the seeds measured them (LMCache's
@@ -258,6 +300,7 @@ def check_lmcache_session(run: dict, name: str) -> dict:
         assert set(want) == {"prefill"}, want
         assert steps == {op: {u["prompt_tokens"] for u in usage}}, steps
         mine = assert_caches(con, want, "lmcache-disk")
+        part["want"] = want
         rows = con.execute("SELECT DISTINCT tgid FROM io WHERE cache = 'lmcache-disk'"
                            ).fetchall()
         assert {t for (t,) in rows} == {b["pid"] for b in batches}
@@ -282,7 +325,7 @@ def check_lmcache_session(run: dict, name: str) -> dict:
 
 
 def test_lmcache_disk_cold_reads_one_reader_against_several(loopdev, ext4, tmp_path,
-                                                            start_recorder):
+                                                            start_recorder, loopdev2):
     runs = [lmcache_run(r, loopdev, ext4, tmp_path, start_recorder) for r in (1, 4)]
     loads = []
     for run in runs:
@@ -292,6 +335,15 @@ def test_lmcache_disk_cold_reads_one_reader_against_several(loopdev, ext4, tmp_p
         stored, loaded = (sum(b["blocks"] for b in run[n]["batches"])
                           for n in ("stores", "loads"))
         assert loaded == stored
+    # The cold loads replayed on another filesystem: the chunks they read were stored in the
+    # session before, so the replay lays them down first, out of the page cache, and its
+    # reads go to the candidate's device, as the engine's went to its own.
+    result, mine = replay_on_another_filesystem(runs[0]["loads"]["rec"].out, loopdev2,
+                                                tmp_path, runs[0]["loads"]["want"],
+                                                "lmcache-disk")
+    assert result["laid_down"]["files"] > 0, result
+    read = mine["prefill"]["caches"]["lmcache-disk"]["read"]
+    assert read["device_bytes"] >= read["bytes"] > 0 and read["page_cache_hit_pct"] == 0.0
     a, b = (str(run["loads"]["rec"].out) for run in runs)
     r = run_kvprof("compare", a, b, "--json")
     assert r.returncode == 0, r.stderr

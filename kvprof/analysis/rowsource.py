@@ -615,11 +615,40 @@ class SqlRows(RowSource):
         self.cur.register("_kv_windows", _lookup(pieces))
         try:
             return self.cur.sql(f"""
-                SELECT w.w_phase AS phase, io.dev_name, io.op, io.sector * 512 AS offset,
+                SELECT w.w_phase AS phase, io.dev_name, io.op,
+                       -- (a flush names no sector: all ones, read as 0 here)
+                       CASE WHEN io.sector < 36028797018963968 THEN io.sector * 512
+                            ELSE 0 END AS offset,
                        io.bytes, io.issue_ns, io.sample_weight, w.w_end AS piece_end
                 FROM (SELECT dev_name, op, sector, bytes, issue_ns,
                              {weight}::UINTEGER AS sample_weight FROM io
                       WHERE layer = 'block') io
+                ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start
+                ORDER BY io.issue_ns""").to_arrow_table()
+        finally:
+            self.cur.unregister("_kv_windows")
+
+    def file_calls(self, pieces: Pieces) -> pa.Table:
+        """Every syscall-layer read, write, fsync and fdatasync on a file: phase (the
+        report's rule), file (its inode, else its path), path, KV cache, op, syscall,
+        O_DIRECT, offset,
+        bytes done and asked, bytes it put into the page cache (NULL: unknown), issue time, in
+        issue order: what a replay on a filesystem issues. Empty writes and failed calls are
+        left out; a read at the end of a file (0 bytes) is a call the engine made, kept.
+        No rows for a session without the layer or recorded before file offsets."""
+        if {"file_offset", "inode", "fetched_bytes"} & set(missing_columns(self.cur, "io")):
+            return pa.table({})
+        self.cur.register("_kv_windows", _lookup(pieces))
+        try:
+            return self.cur.sql(f"""
+                SELECT w.w_phase AS phase, coalesce(io.inode::VARCHAR, io.path) AS file,
+                       io.path, io.cache, io.op, io.syscall,
+                       (io.flags & {schema.FLAG_DIRECT}) <> 0 AS direct,
+                       io.file_offset AS offset, io.bytes, io.bytes_asked AS asked,
+                       io.fetched_bytes AS fetched, io.issue_ns
+                FROM (SELECT * FROM io WHERE layer = 'syscall' AND error = 0
+                      AND (op = 'flush' OR (op IN ('read', 'write') AND file_offset IS NOT NULL
+                                            AND (op = 'read' OR bytes > 0)))) io
                 ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start
                 ORDER BY io.issue_ns""").to_arrow_table()
         finally:

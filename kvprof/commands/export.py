@@ -38,14 +38,16 @@ def run(args: argparse.Namespace) -> int:
 
 @dataclass
 class Recorded:
-    """What replaying a session starts from: its block requests with their phases
-    (SqlRows.block_requests over the whole session), its phase windows (open ones too), the
-    event sampling's shifts and its start. Where the event tier sampled, `requests` are
-    the kept rows scaled up to the aggregate tier's counts, and `scaled` says how."""
+    """What replaying a session starts from: its block requests and file calls with their
+    phases (SqlRows.block_requests, file_calls, over the whole session), its phase windows
+    (open ones too), the event sampling's shifts and its start. Where the event tier
+    sampled, `requests` are the kept rows scaled up to the aggregate tier's counts, and
+    `scaled` says how. (The syscall layer is never sampled.)"""
     requests: pa.Table
     windows: pa.Table
     shifts: list[int]
     start_ns: int
+    calls: pa.Table  # the syscall layer's file calls (SqlRows.file_calls)
     scaled: Scaled | None = None
 
     @property
@@ -84,7 +86,8 @@ def recorded(session: str) -> Recorded:
         ws, we, wp = flatten(windows, info.start_ns, info.end_ns)
         pieces = Pieces(ws, we, wp, info.start_ns, info.end_ns, info.start_ns, True)
         got = Recorded(rows.block_requests(pieces), windows,
-                       rows.sampling(info.start_ns, info.end_ns), info.start_ns)
+                       rows.sampling(info.start_ns, info.end_ns), info.start_ns,
+                       rows.file_calls(pieces))
         if got.kept_one_in and got.requests.num_rows:
             counts: dict[tuple[str, str, str], int] = {}
             for dev in set(got.requests["dev_name"].to_pylist()):

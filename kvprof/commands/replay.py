@@ -1,28 +1,37 @@
-"""`kvprof replay SESSION --on DEVICE_OR_DIR`: a recorded session's block requests issued again
-on candidate storage, at their recorded times, while a new session is recorded there with the
+"""`kvprof replay SESSION --on DEVICE_OR_DIR`: a recorded session's I/O issued again on
+candidate storage, at its recorded times, while a new session is recorded there with the
 recording's phase windows; `kvprof compare SESSION NEW` then sets one against the other.
 
-What is issued: every block request of the chosen phases (op, size, offset, issue time),
-with O_DIRECT, by JOBS threads that take the requests in order, each sleeping until its
-request's time: a request goes out at its time whether or not the ones before it have
-completed (open loop, up to JOBS in flight), so latency is measured under the recorded
-arrivals, and a candidate too slow for them falls behind, which the replay measures per
-phase (when it had issued each planned request's bytes, against when that was due).
+What is issued, one of two layers:
+- block (a device, or a directory without file calls to replay): every block request of the
+  chosen phases (op, size, offset within its device's range), O_DIRECT, on the device or a
+  scratch file; the candidate merges no requests meanwhile (queue/nomerges, put back after):
+  the recorded ones were merged already. A session sampled past --event-rate is scaled up
+  to its aggregate tier's counts (analysis/scaleup.py).
+- syscall (a directory, where the session has the engine's file calls): every read, write,
+  fsync and fdatasync on the KV caches' files (`--cache`), each recorded file a file of its
+  own in a scratch folder, at the offset the call had, asking the bytes it asked,
+  O_DIRECT where the engine's file was; files read before the replay writes them are laid
+  down first, out of the page cache. Made by a process of its own, which the new session
+  traces by pid (kvprof never traces its own files).
+
+Both by JOBS threads that take the calls in order, each sleeping until its call's time: a
+call goes out at its time whether or not the ones before it have completed (open loop, up to
+JOBS in flight), so latency is measured under the recorded arrivals, and a candidate too slow
+for them falls behind, which the replay measures per phase (when it had issued each planned
+call's bytes, against when that was due).
 
 Not fio: fio 3.33 replaying an iolog waits for each line's time by spinning (one core per
 job, which here is the CPU the candidate's I/O needs), and through one asynchronous queue
 leaves up to its depth - 1 of the requests unissued while counting them done. `kvprof export
---fio-iolog` writes the same requests for fio, for those who replay with it.
+--fio-iolog` writes the block requests for fio, for those who replay with it.
 
 The new session holds the recording's phase windows, moved to the replay's clock (its first
-request at the recording's first) and sent to its recorder as the replay reaches them
+call at the recording's first) and sent to its recorder as the replay reaches them
 (kvprof/phases/replayed.py), so its report, exact tier and idle time per phase and `compare`
 split the same way.
 
-While it replays, the candidate merges no requests (queue/nomerges, put back after): the
-recorded requests were merged already.
-
-Safety: as `kvprof calibrate`: a directory gets a scratch file (deleted afterwards), a raw
+Safety: as `kvprof calibrate`: a directory gets scratch files (deleted afterwards), a raw
 device that is mounted or held is refused, and one holding data is refused unless --force.
 """
 from __future__ import annotations
@@ -33,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,67 +96,275 @@ def plan(requests: pa.Table, phases: list[str]) -> Plan:
     return Plan(out, size, op[keep].tolist(), phase[keep].tolist(), issue, base)
 
 
-def issue(p: Plan, path: str, speed: float, start_ns: int, jobs: int = JOBS) -> None:
-    """Issue the plan's requests on `path` at their times, the first at `start_ns`
-    (monotonic), `jobs` at once at most. The threads sleep rather than spin while they wait (the
-    candidate's I/O needs the CPU), and leave the GIL in the reads and writes themselves."""
+def _at_their_times(due: list[int], start_ns: int, do: Callable[[int, memoryview], None],
+                    bufsize: int, jobs: int) -> None:
+    """Call do(k, buffer) for each k at start_ns + due[k] (monotonic ns), in order, from
+    `jobs` threads that each take the next one and sleep until it is due: a request goes out
+    at its time whether or not the ones before it have completed (open loop, up to `jobs`
+    in flight). They sleep rather than spin (the candidate's I/O needs the CPU) and leave
+    the GIL in the reads and writes themselves. The first OSError ends the replay."""
     import itertools
     import mmap
     import os
 
-    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
     order = itertools.count()  # (next() on it is atomic under the GIL)
-    offset, size = p.offset.tolist(), p.size.tolist()
-    write = [o == "write" for o in p.op]
-    due = ((p.issue_ns - p.t0) / speed).astype(np.int64).tolist()
-    data = os.urandom(max(size))  # what writes carry: incompressible, as KV cache is
+    data = os.urandom(bufsize)  # what writes carry: incompressible, as KV cache is
     errors: list[OSError] = []
-    start = start_ns
 
     def work() -> None:
-        buf = mmap.mmap(-1, max(size))  # page-aligned, as O_DIRECT needs
+        buf = mmap.mmap(-1, bufsize)  # page-aligned, as O_DIRECT needs
         buf.write(data)
         view = memoryview(buf)
         while not errors:
             k = next(order)
             if k >= len(due):
                 return
-            wait = start + due[k] - time.monotonic_ns()
+            wait = start_ns + due[k] - time.monotonic_ns()
             if wait > 0:
                 time.sleep(wait / 1e9)
             try:
-                if write[k]:
-                    os.pwritev(fd, [view[:size[k]]], offset[k])
-                else:
-                    os.preadv(fd, [view[:size[k]]], offset[k])
+                do(k, view)
             except OSError as e:
                 errors.append(e)
 
     threads = [threading.Thread(target=work, name=f"kvprof-replay-{j}", daemon=True)
                for j in range(min(jobs, len(due)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        e = errors[0]
+        raise KvprofError(f"replaying on {e.filename or 'the candidate'}: {e.strerror}",
+                          EX_DATAERR)
+
+
+def _due(issue_ns: np.ndarray, t0: int, speed: float) -> list[int]:
+    return ((issue_ns - t0) / speed).astype(np.int64).tolist()
+
+
+def issue(p: Plan, path: str, speed: float, start_ns: int, jobs: int = JOBS) -> None:
+    """The plan's block requests on `path` (O_DIRECT), the first at `start_ns`."""
+    import os
+
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    offset, size = p.offset.tolist(), p.size.tolist()
+    write = [o == "write" for o in p.op]
+
+    def do(k: int, view: memoryview) -> None:
+        try:
+            if write[k]:
+                os.pwritev(fd, [view[:size[k]]], offset[k])
+            else:
+                os.preadv(fd, [view[:size[k]]], offset[k])
+        except OSError as e:
+            e.filename = path
+            raise
+
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        _at_their_times(_due(p.issue_ns, p.t0, speed), start_ns, do, int(p.size.max()), jobs)
     finally:
         os.close(fd)
-    if errors:
-        raise KvprofError(f"replaying on {path}: {errors[0].strerror}", EX_DATAERR)
 
 
-def lag(p: Plan, issued_ns: np.ndarray, issued_bytes: np.ndarray,
-        speed: float) -> dict[str, dict[str, float]]:
-    """Per phase, how late the candidate issued requests against the schedule, in seconds:
-    for each planned request, when the replay had issued as many bytes as the plan had by
-    then (bytes rather than the k-th request: a device may merge or split them), against
-    when it was due, both from the first request."""
+# -- file calls (the syscall layer), replayed on a filesystem ---------------------------------
+
+KINDS = ("read", "write", "fsync", "fdatasync")
+
+
+@dataclass
+class FilePlan:
+    """The file calls to make, in issue order: which file (an index into `paths`, the
+    recorded path of each), KINDS index, O_DIRECT, offset, bytes (done: what `lag` counts),
+    bytes to ask for (reads ask what the recording asked, writes write what it wrote),
+    cold (a buffered read that put pages into the page cache in the recording), phase,
+    recorded issue time; `lay_down`: per file read before the replay writes it, the bytes
+    laid down before the replay (as far as its reads reached), so they read what the
+    recording read."""
+    file: np.ndarray
+    paths: list[str]
+    caches: list[str]  # each file's KV cache, as the recording labelled it
+    kind: np.ndarray
+    direct: np.ndarray
+    offset: np.ndarray
+    size: np.ndarray
+    ask: np.ndarray
+    cold: np.ndarray
+    phase: list[str]
+    issue_ns: np.ndarray
+    lay_down: dict[int, int]
+
+    @property
+    def t0(self) -> int:
+        return int(self.issue_ns[0])
+
+
+def file_plan(calls: pa.Table, phases: list[str], caches: list[str]) -> FilePlan:
+    """The recorded file calls (SqlRows.file_calls) of `phases` on the files of `caches`
+    (all when empty)."""
+    import pyarrow.compute as pc
+
+    if calls.num_rows and phases:
+        calls = calls.filter(pc.is_in(calls["phase"], pa.array(phases)))
+    if calls.num_rows and caches:
+        calls = calls.filter(pc.is_in(calls["cache"], pa.array(caches)))
+    key = calls["file"].to_pylist() if calls.num_rows else []
+    ids: dict[str, int] = {}
+    file = np.array([ids.setdefault(k, len(ids)) for k in key], np.int64)
+    paths, labels = [""] * len(ids), ["other"] * len(ids)
+    for f, path, cache in zip(file.tolist(), calls["path"].to_pylist() if key else [],
+                              calls["cache"].to_pylist() if key else []):
+        paths[f] = path or paths[f]
+        labels[f] = cache or labels[f]
+    op = calls["op"].to_pylist() if key else []
+    syscall = calls["syscall"].to_pylist() if key else []
+    kind = np.array([KINDS.index(o) if o in ("read", "write") else
+                     KINDS.index("fdatasync" if s == "fdatasync" else "fsync")
+                     for o, s in zip(op, syscall)], np.int8)
+
+    def col(c: str, t: type) -> np.ndarray:
+        return calls[c].to_numpy(zero_copy_only=False).astype(t) if key else np.zeros(0, t)
+
+    offset = np.nan_to_num(col("offset", np.float64)).astype(np.int64)
+    size = np.where(kind <= 1, col("bytes", np.int64), 0)
+    # (a read asks what it asked, up to 64 MiB a call; where it was not known, what it got)
+    asked = np.nan_to_num(col("asked", np.float64)).astype(np.int64)
+    ask = np.where(kind == 0, np.minimum(np.maximum(asked, size), 64 << 20), size)
+    cold = (kind == 0) & ~col("direct", bool) & (np.nan_to_num(col("fetched", np.float64)) > 0)
+    lay_down: dict[int, int] = {}
+    first_write: dict[int, int] = {}
+    for k, (f, kd) in enumerate(zip(file.tolist(), kind.tolist())):
+        if kd == 1:
+            first_write.setdefault(f, k)
+    for k in np.flatnonzero(kind == 0).tolist():
+        f = int(file[k])
+        if first_write.get(f, len(kind)) > k:  # read before the replay writes it
+            lay_down[f] = max(lay_down.get(f, 0), int(offset[k] + size[k]))
+    return FilePlan(file, paths, labels, kind, col("direct", bool), offset, size, ask, cold,
+                    calls["phase"].to_pylist() if key else [], col("issue_ns", np.int64),
+                    lay_down)
+
+
+def _name(root: Path, fp: FilePlan, f: int) -> Path:
+    """Where the replay puts recorded file `f`: in a folder named after its KV cache, which
+    the new session's --cache rule (_cache_rules) labels as the recording did."""
+    return root / fp.caches[f] / f"file-{f}"
+
+
+def _cache_rules(root: Path, fp: FilePlan) -> list[str]:
+    return [f"{c}={root}/{c}/*" for c in sorted(set(fp.caches) - {"other"})]
+
+
+def _folders(fp: FilePlan, root: Path) -> None:
+    for c in set(fp.caches):
+        (root / c).mkdir(exist_ok=True)
+
+
+def lay_down(fp: FilePlan, root: Path) -> None:
+    """The files read before the replay writes them, written with random data, synced and
+    dropped from the page cache: their reads start cold, from the candidate."""
+    import os
+
+    chunk = os.urandom(1 << 20)
+    for f, n in fp.lay_down.items():
+        fd = os.open(_name(root, fp, f), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            left = -(-n // 4096) * 4096
+            while left > 0:
+                left -= os.write(fd, chunk[:min(left, len(chunk))])
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def issue_files(fp: FilePlan, root: Path, speed: float, start_ns: int,
+                jobs: int = JOBS) -> None:
+    """The plan's file calls on files under `root`, the first at `start_ns`: each recorded
+    file a file of its own, opened at its first call (O_DIRECT where the recording's was),
+    reads and writes at their offsets, fsyncs as fsyncs; at the end, each file written
+    through the page cache synced (the kernel's writeback, which the engine left its pages
+    to, happens in the new session then rather than when it did). A buffered read that
+    missed the page cache in the recording has its range dropped from it first (where its
+    pages are clean: dirty ones stay), so it goes to the candidate as it went to the
+    device."""
+    import os
+
+    fds: dict[tuple[int, bool], int] = {}
+    lock = threading.Lock()
+    file, kind, direct = fp.file.tolist(), fp.kind.tolist(), fp.direct.tolist()
+    offset, size, cold = fp.offset.tolist(), fp.ask.tolist(), fp.cold.tolist()
+
+    def fd_of(f: int, d: bool) -> int:
+        with lock:
+            if (f, d) not in fds:
+                fds[(f, d)] = os.open(_name(root, fp, f), os.O_RDWR | os.O_CREAT
+                                      | (os.O_DIRECT if d else 0), 0o600)
+            return fds[(f, d)]
+
+    def do(k: int, view: memoryview) -> None:
+        try:
+            fd = fd_of(file[k], direct[k])
+            if kind[k] == 0:
+                if cold[k]:
+                    os.posix_fadvise(fd, offset[k], size[k], os.POSIX_FADV_DONTNEED)
+                os.preadv(fd, [view[:size[k]]], offset[k])
+            elif kind[k] == 1:
+                os.pwritev(fd, [view[:size[k]]], offset[k])
+            elif kind[k] == 2:
+                os.fsync(fd)
+            else:
+                os.fdatasync(fd)
+        except OSError as e:
+            e.filename = str(_name(root, fp, file[k]))
+            raise
+
+    try:
+        _at_their_times(_due(fp.issue_ns, fp.t0, speed), start_ns, do,
+                        max(int(fp.ask.max()), 4096), jobs)
+        # The buffered writes' pages, which the engine left to the kernel's writeback, to
+        # the candidate now, while it is recorded: its files are deleted after.
+        for (f, d), fd in fds.items():
+            if not d:
+                os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def child() -> None:
+    """The process that makes the file calls (`python -c "...child()" PLAN ROOT SPEED`): of
+    its own, so the new session traces its calls alone (by pid), not the recorder's writes
+    to the session. Says `ready`, reads the start time (monotonic ns), replays, exits."""
+    import itertools  # noqa: F401 - loaded now: after `ready` its calls alone are traced
+    import mmap  # noqa: F401 - (its shared object is read when first imported)
+    import pickle
+
+    plan_path, root, speed = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
+    with open(plan_path, "rb") as f:
+        fp = pickle.load(f)  # (our own file, written by the replay that started us)
+    print("ready", flush=True)
+    start = int(sys.stdin.readline())
+    try:
+        issue_files(fp, root, speed, start)
+    except KvprofError as e:
+        print(e, file=sys.stderr)
+        sys.exit(e.exit_code)
+
+
+def lag(p: Plan | FilePlan, issued_ns: np.ndarray, issued_bytes: np.ndarray,
+        speed: float, start_ns: int) -> dict[str, dict[str, float]]:
+    """Per phase, how late the candidate issued requests against the schedule (the first
+    due at `start_ns`, when the new session's windows were moved to), in seconds: for each
+    planned request, when the replay had issued as many bytes as the plan had by then (bytes
+    rather than the k-th request: a device may merge or split them), against when it was
+    due."""
     if len(issued_ns) == 0:
         return {}
     order = np.argsort(issued_ns, kind="stable")
     at, done = issued_ns[order], np.cumsum(issued_bytes[order])
     k = np.minimum(np.searchsorted(done, np.cumsum(p.size), side="left"), len(at) - 1)
-    late = np.maximum((at[k] - at[0]) - (p.issue_ns - p.t0) / speed, 0) / 1e9
+    late = np.maximum((at[k] - start_ns) - (p.issue_ns - p.t0) / speed, 0) / 1e9
     phases = np.array(p.phase, dtype=object)
     out = {}
     for ph in sorted(set(p.phase)):
@@ -183,118 +400,257 @@ def _progress(started: float, total_s: float, done: threading.Event) -> None:
     print(file=sys.stderr)
 
 
-def _replayed(out: Path) -> tuple[np.ndarray, np.ndarray]:
-    """The issue times and sizes of the block reads and writes the new session holds."""
+def _replayed(out: Path, under: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The issue times and sizes of the block reads and writes the new session holds, or
+    with `under`, of the file reads and writes on the files there."""
     from kvprof.store.session import open_session
 
+    where, params = "layer = 'block'", []
+    if under is not None:
+        where, params = "layer = 'syscall' AND starts_with(path, ?)", [f"{under}/"]
     con = open_session(out)
     try:
         got = con.execute(
-            "SELECT issue_ns, bytes FROM io WHERE layer = 'block' AND op IN ('read', 'write') "
-            "AND bytes > 0 ORDER BY issue_ns").fetchnumpy()
+            f"SELECT issue_ns, bytes FROM io WHERE {where} AND op IN ('read', 'write') "
+            "AND bytes > 0 ORDER BY issue_ns", params).fetchnumpy()
         return np.asarray(got["issue_ns"], np.int64), np.asarray(got["bytes"], np.int64)
     finally:
         con.close()
 
 
-def replay(session: str, on: str, phases: list[str], speed: float, out: str | None,
-           force: bool = False) -> dict:
-    import shutil
+def _recording_while(opts, windows, t0: int, last: int, lead_ns: int, speed: float,
+                     go: Callable[[int], None]) -> int:
+    """Record the candidate (`opts`: the new session, `windows` among its feeds) while
+    go(start_ns) replays: the recording's t0 at start_ns, `lead_ns` after attaching.
+    Returns start_ns."""
+    from kvprof.commands.record import Recorder
 
-    from kvprof.commands.calibrate import prepare
-    from kvprof.commands.record import RecordOptions, Recorder, default_out
+    attached = threading.Event()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def recording() -> None:
+        try:
+            # (a Recorder as `record` runs one, not live: nothing reads it meanwhile)
+            with Recorder(opts, lambda line: None, stop) as recorder:
+                recorder.open(lambda store: attached.set())
+                recorder.run()
+                recorder.finish()
+        except BaseException as e:  # noqa: BLE001 (raised in the caller's thread)
+            errors.append(e)
+            attached.set()
+
+    rec = threading.Thread(target=recording, name="kvprof-replay-record")
+    rec.start()
+    attached.wait()
+    if errors:
+        rec.join()
+        raise errors[0]
+    done = threading.Event()
+    threading.Thread(target=_progress, args=(time.monotonic(), (last - t0) / speed / 1e9, done),
+                     daemon=True).start()
+    try:
+        start = time.monotonic_ns() + lead_ns
+        windows.schedule(start, t0, speed)
+        go(start)
+    finally:
+        done.set()
+        time.sleep(0.3)  # the last completions into the recording
+        stop.set()
+        rec.join()
+    if errors:
+        raise errors[0]
+    return start
+
+
+def _dir_device(path: Path):
+    """The block device holding a directory's filesystem, or None (tmpfs, nfs, a btrfs
+    subvolume's anonymous one)."""
+    import os
+
+    from kvprof.calibration import sysfs_dir
+    from kvprof.devices import by_number
+
+    st = os.stat(path)
+    if not os.major(st.st_dev):
+        return None
+    dev = by_number(os.major(st.st_dev), os.minor(st.st_dev))
+    return dev if sysfs_dir(dev).exists() else None
+
+
+def replay(session: str, on: str, phases: list[str], speed: float, out: str | None,
+           force: bool = False, layer: str | None = None, caches: list[str] | None = None
+           ) -> dict:
+    from kvprof.commands.export import recorded
+    from kvprof.commands.record import default_out
     from kvprof.phases.replayed import ReplayedWindows
 
     if speed <= 0:
         raise KvprofError("--speed must be positive", EX_USAGE)
-    from kvprof.commands.export import recorded
-
     got = recorded(session)
+    on_dir = Path(on).is_dir()
+    if layer is None:
+        layer = "syscall" if on_dir and got.calls.num_rows else "block"
+    dest = Path(out) if out else default_out()
+    # The recording's windows sent as the replay reaches them, and no other source's
+    # (phases=["marks"]: nothing discovered on this host).
+    windows = ReplayedWindows(got.windows)
+    if layer == "syscall":
+        result = _replay_files(got, session, on, phases, speed, dest, windows, caches or [])
+    else:
+        result = _replay_block(got, session, on, phases, speed, dest, windows, force)
+    return {"session": str(dest), "candidate": on, "layer": layer, "speed": speed, **result}
+
+
+def _lead(p: Plan | FilePlan, start_ns: int, speed: float) -> int:
+    """The first request as long after attaching as in the recording (up to LEAD_MAX_NS),
+    so the windows that began before it fall inside the new session."""
+    return int(min(p.t0 - start_ns, LEAD_MAX_NS) / speed)
+
+
+def _replay_block(got, session: str, on: str, phases: list[str], speed: float, dest: Path,
+                  windows, force: bool) -> dict:
+    import shutil
+
+    from kvprof.commands.calibrate import prepare
+    from kvprof.commands.record import RecordOptions
+
     p = plan(got.requests, phases)
     if len(p.issue_ns) == 0:
+        why = (" (a --no-events session keeps none)" if not got.calls.num_rows else
+               f"; it has file calls: replay them on a directory (--on DIR --layer syscall)")
         raise KvprofError(f"{session}: no block reads or writes recorded one by one"
                           + (f" in {', '.join(phases)}" if phases else "")
-                          + " (a --no-events session keeps none): nothing to replay",
-                          EX_DATAERR)
+                          + why + ": nothing to replay", EX_DATAERR)
     said = got.say_scaled("the replay issues")
     if said:
         print(said, file=sys.stderr)
     target = prepare(on, p.span, force, verb="replay")
-    if target.size < p.span:
-        raise KvprofError(f"{on} has {target.size >> 20} MiB; the recorded requests reach over "
-                          f"{p.span >> 20} MiB", EX_USAGE)
-    if target.device is None:
-        raise KvprofError(f"{on} has no block device of its own to record", EX_USAGE)
-    dest = Path(out) if out else default_out()
     tmp = Path(tempfile.mkdtemp(prefix="kvprof-replay-"))
     try:
-        attached = threading.Event()
-        stop = threading.Event()
-        # The recording's windows sent as the replay reaches them, and no other source's
-        # (phases=["marks"]: nothing discovered on this host).
-        windows = ReplayedWindows(got.windows)
+        if target.size < p.span:
+            raise KvprofError(f"{on} has {target.size >> 20} MiB; the recorded requests reach "
+                              f"over {p.span >> 20} MiB", EX_USAGE)
+        if target.device is None:
+            raise KvprofError(f"{on} has no block device of its own to record", EX_USAGE)
         opts = RecordOptions(out=str(dest), devices=[target.device.name], event_rate=0,
                              socket=str(tmp / "marks.sock"), phases=["marks"],
                              feeds=[windows])
-        errors: list[BaseException] = []
-
-        def recording() -> None:
-            try:
-                # (a Recorder as `record` runs one, not live: nothing reads it meanwhile)
-                with Recorder(opts, lambda line: None, stop) as recorder:
-                    recorder.open(lambda store: attached.set())
-                    recorder.run()
-                    recorder.finish()
-            except BaseException as e:  # noqa: BLE001 (raised in the caller's thread)
-                errors.append(e)
-                attached.set()
-
-        rec = threading.Thread(target=recording, name="kvprof-replay-record")
-        rec.start()
-        attached.wait()
-        if errors:
-            raise errors[0]
-        total_s = (int(p.issue_ns[-1]) - p.t0) / speed / 1e9
-        done = threading.Event()
-        threading.Thread(target=_progress, args=(time.monotonic(), total_s, done),
-                         daemon=True).start()
-        try:
-            # The first request as long after attaching as in the recording (up to
-            # LEAD_MAX_NS), so the windows that began before it fall inside the new session.
-            start = time.monotonic_ns() + int(min(p.t0 - got.start_ns, LEAD_MAX_NS) / speed)
-            windows.schedule(start, p.t0, speed)
-            issue(p, target.path, speed, start)
-        finally:
-            done.set()
-            time.sleep(0.3)  # the last completions into the recording
-            stop.set()
-            rec.join()
-        if errors:
-            raise errors[0]
+        with _no_merges(target.device.name):
+            start = _recording_while(opts, windows, p.t0, int(p.issue_ns[-1]),
+                             _lead(p, got.start_ns, speed), speed,
+                             lambda start: issue(p, target.path, speed, start))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if target.scratch is not None:
             target.scratch.unlink(missing_ok=True)
     issued, sizes = _replayed(dest)
-    behind = lag(p, issued, sizes, speed)
-    return {"session": str(dest), "candidate": on, "speed": speed,
-            "requests": len(p.issue_ns), "bytes": int(p.size.sum()),
-            "replayed": int(len(issued)), "replayed_bytes": int(sizes.sum()), "lag": behind,
+    return {"requests": len(p.issue_ns), "bytes": int(p.size.sum()),
+            "replayed": int(len(issued)), "replayed_bytes": int(sizes.sum()),
+            "lag": lag(p, issued, sizes, speed, start),
             "scaled_up": None if got.scaled is None else [
                 {"phase": ph, "device": dev, "op": op, "kept": kept, "issued": n}
                 for (ph, dev, op), (kept, n) in sorted(got.scaled.groups.items())]}
 
 
+def _replay_files(got, session: str, on: str, phases: list[str], speed: float, dest: Path,
+                  windows, caches: list[str]) -> dict:
+    """The recording's file calls, made on files in a scratch directory under `on` by a
+    process of its own, which the new session traces (syscall layer, by its pid) with the
+    block requests it makes on the directory's device."""
+    import os
+    import pickle
+    import shutil
+    import subprocess
+
+    from kvprof.caches import OTHER
+    from kvprof.commands.record import RecordOptions
+
+    if not Path(on).is_dir():
+        raise KvprofError(f"{on}: file calls replay on a filesystem: give a directory",
+                          EX_USAGE)
+    if not caches and got.calls.num_rows:
+        # The KV caches' files where the session names any: a recording without -p follows
+        # every process's files (the engine's model weights, Python's modules ...).
+        found = sorted(set(got.calls["cache"].to_pylist()) - {None, OTHER})
+        if found:
+            caches = found
+            others = sum(1 for c in got.calls["cache"].to_pylist() if c not in found)
+            print(f"kvprof: replaying the file calls of {', '.join(found)}"
+                  + (f"; {others} calls on other files left out (--cache other to add them)"
+                     if others else ""), file=sys.stderr)
+    fp = file_plan(got.calls, phases, caches)
+    if len(fp.issue_ns) == 0:
+        raise KvprofError(f"{session}: no file reads, writes or syncs recorded (syscall layer, "
+                          "with their offsets)" + (f" in {', '.join(phases)}" if phases else "")
+                          + ": nothing to replay", EX_DATAERR)
+    dev = _dir_device(Path(on))
+    if dev is None:
+        raise KvprofError(f"{on} has no block device of its own to record", EX_USAGE)
+    need = sum(fp.lay_down.values()) + int(fp.size[fp.kind == 1].sum())
+    free = shutil.disk_usage(on).free
+    if free < need + (64 << 20):
+        raise KvprofError(f"{on} has {free >> 20} MiB free; the replay writes up to "
+                          f"{need >> 20} MiB", EX_USAGE)
+    root = Path(tempfile.mkdtemp(prefix=".kvprof-replay-", dir=on))
+    tmp = Path(tempfile.mkdtemp(prefix="kvprof-replay-"))
+    proc = None
+    try:
+        _folders(fp, root)
+        lay_down(fp, root)
+        with open(tmp / "plan.pickle", "wb") as f:
+            pickle.dump(fp, f)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from kvprof.commands.replay import child; child()",
+             str(tmp / "plan.pickle"), str(root), repr(speed)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdin is not None and proc.stdout is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise KvprofError(f"the replaying process did not start: {proc.communicate()[1]}",
+                              EX_DATAERR)
+        opts = RecordOptions(out=str(dest), devices=[dev.name], pids=[proc.pid],
+                             layers=("block", "syscall"), event_rate=0,
+                             caches=_cache_rules(root, fp),
+                             socket=str(tmp / "marks.sock"), phases=["marks"],
+                             feeds=[windows])
+
+        def go(start: int) -> None:
+            assert proc is not None
+            _, err = proc.communicate(f"{start}\n")
+            if proc.returncode:
+                raise KvprofError(err.strip().splitlines()[-1] if err.strip() else
+                                  f"the replaying process ended with {proc.returncode}",
+                                  EX_DATAERR)
+
+        start = _recording_while(opts, windows, fp.t0, int(fp.issue_ns[-1]),
+                                 _lead(fp, got.start_ns, speed), speed, go)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    issued, sizes = _replayed(dest, root)
+    return {"requests": len(fp.issue_ns), "bytes": int(fp.size.sum()),
+            "files": len(fp.paths), "laid_down": {"files": len(fp.lay_down),
+                                                  "bytes": sum(fp.lay_down.values())},
+            "direct_calls": int(fp.direct.sum()), "syncs": int((fp.kind >= 2).sum()),
+            "replayed": int(len(issued)), "replayed_bytes": int(sizes.sum()),
+            "lag": lag(fp, issued, sizes, speed, start)}
+
+
 def run(args: argparse.Namespace) -> int:
-    result = replay(args.session, args.on, args.phase, args.speed, args.out, args.force)
+    result = replay(args.session, args.on, args.phase, args.speed, args.out, args.force,
+                    args.layer, args.cache)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"kvprof: replayed {result['requests']} requests of {args.session} on {args.on} "
+    what = "file calls" if result["layer"] == "syscall" else "requests"
+    print(f"kvprof: replayed {result['requests']} {what} of {args.session} on {args.on} "
           f"(x{result['speed']:g}); new session {result['session']}")
     for ph, lg in result["lag"].items():
         verdict = ("kept up" if lg["p99_s"] < 0.01 else
                    f"fell behind: p99 {lg['p99_s']:.2f} s, at most {lg['max_s']:.2f} s late")
-        print(f"  {ph:8} {lg['requests']:>8} requests  {verdict}")
+        print(f"  {ph:8} {lg['requests']:>8} {what}  {verdict}")
     print(f"kvprof: compare them with: kvprof compare {args.session} {result['session']}")
     return 0
