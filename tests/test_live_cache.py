@@ -128,6 +128,7 @@ class Session:
             "inode": pa.nulls(n, pa.uint64()),
             "sample_weight": pa.array(np.ones(n, np.uint32)),
             "fetched_bytes": pa.nulls(n, pa.uint64()),
+            "file_offset": pa.nulls(n, pa.int64()),
         }, schema=schema.IO)
         self.io = pa.concat_tables([self.io, self._file_syscalls(seconds, rate // 8, seed)])
         # Stored in completion order, as the recorder stores them.
@@ -180,6 +181,7 @@ class Session:
             "sample_weight": np.ones(n, np.uint32),
             # (none: a read's device bytes are its thread's block reads, as recorded before)
             "fetched_bytes": pa.nulls(n, pa.uint64()),
+            "file_offset": pa.nulls(n, pa.int64()),
         }, schema=schema.IO)
 
     def flush_until(self, now: int) -> None:
