@@ -160,8 +160,17 @@ def test_a_sampled_recording_is_replayed_scaled_up_to_every_request_counted(
     print(f"kept {kept} rows, issued {result['requests']}, candidate writes {d[WRITE_IOS]} "
           f"(recorded device {recorded[WRITE_IOS]})")
     assert kept < result["requests"] / 2
-    # Every write the recorded device got, by its counters, the candidate got, by its own.
-    assert (d[WRITE_IOS], d[WRITE_SECTORS]) == (recorded[WRITE_IOS], recorded[WRITE_SECTORS])
+    # Every write the recorded device got, by its counters, the candidate got, by its own:
+    # but for those the exact tier did not count (completions the kernel did not report,
+    # lost_events) or counted in a 4 ms slot a window's edge cut, in another phase than its
+    # kept rows' (exact.boundary): the scale-up has no kept row there to copy.
+    edges = before["exact"]["boundary"]["ios"]
+    print(f"missed {missed}, in edge slots {edges}; scaled {result['scaled_up']}; exact "
+          + str({ph: {op: v["block"][op]["ios"] for op in v["block"]}
+                 for ph, v in before["exact"]["phases"].items() if v["block"]}))
+    short = recorded[WRITE_IOS] - d[WRITE_IOS]
+    assert 0 <= short <= missed + edges, (d[WRITE_IOS], recorded[WRITE_IOS])
+    assert recorded[WRITE_SECTORS] - d[WRITE_SECTORS] == short * 512  # (256 KiB each)
     _same_exact_tier(before, after, missed)
     assert all(lg["p99_s"] < 0.05 for lg in result["lag"].values()), result["lag"]
 
