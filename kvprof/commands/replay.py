@@ -601,8 +601,8 @@ def _replay_files(got, session: str, on: str, phases: list[str], speed: float, d
             caches = found
             others = sum(1 for c in got.calls["cache"].to_pylist() if c not in found)
             print(f"kvprof: replaying the file calls of {', '.join(found)}"
-                  + (f"; {others} calls on other files left out (--cache other to add them)"
-                     if others else ""), file=sys.stderr)
+                  + (f"; {others} calls on other files left out (--cache NAME for each cache "
+                     "to replay, `other` for the rest)" if others else ""), file=sys.stderr)
     fp = file_plan(got.calls, phases, caches)
     if len(fp.issue_ns) == 0:
         raise KvprofError(f"{session}: no file reads, writes or syncs recorded (syscall layer, "
