@@ -55,28 +55,35 @@ def _same_exact_tier(before: dict, after: dict, missed: int) -> None:
         assert abs(b["bytes"] - a["bytes"]) <= (missed + edge) * (256 << 10), (phase, a, b)
 
 
-def test_a_replay_on_the_same_kind_of_device_reproduces_each_phase(
-        loopdev, loopdev2, start_recorder, tmp_path):
-    rec = start_recorder("-d", loopdev)
+def _record_then_replay(loopdev: str, loopdev2: str, start_recorder, tmp_path, *args: str):
+    """_engine_like recorded on `loopdev` (record's `args` added), replayed on `loopdev2`:
+    the recording's report, the recorded device's /sys/block delta, the replay's stderr and
+    --json result, the candidate's /sys/block delta and the new session's report."""
+    rec = start_recorder("-d", loopdev, *args)
     r0 = settle(loopdev)
     _engine_like(loopdev, Marker(rec.socket, engine="test"))
     recorded = stat_delta(r0, settle(loopdev))
     time.sleep(0.5)
     assert rec.stop() == 0
     before = rec.report()
-
     out = tmp_path / "replayed"
     s0 = settle(loopdev2)
     r = run_kvprof("replay", str(rec.out), "--on", f"/dev/{loopdev2}", "-o", str(out),
                    "--json")
     assert r.returncode == 0, r.stderr
-    result = json.loads(r.stdout)
+    d = stat_delta(s0, settle(loopdev2))
+    after = json.loads(run_kvprof("report", str(out), "--json").stdout)
+    return before, recorded, r.stderr, json.loads(r.stdout), d, after
+
+
+def test_a_replay_on_the_same_kind_of_device_reproduces_each_phase(
+        loopdev, loopdev2, start_recorder, tmp_path):
+    before, recorded, _, result, d, after = _record_then_replay(
+        loopdev, loopdev2, start_recorder, tmp_path)
     # The writes the candidate got, by its own counters, are the ones the recorded device
     # got, by its own: one for one, none merged. (Its reads also count the safety check's
     # look at its first MiB.)
-    d = stat_delta(s0, settle(loopdev2))
     assert (d[WRITE_IOS], d[WRITE_SECTORS]) == (recorded[WRITE_IOS], recorded[WRITE_SECTORS])
-    after = json.loads(run_kvprof("report", str(out), "--json").stdout)
     # Loop devices on 6.18 complete a few requests in a million without the completion
     # tracepoint; each session counts those it missed (block_completion_not_seen), and the
     # figures may differ by no more than those.
@@ -137,24 +144,10 @@ def test_a_sampled_recording_is_replayed_scaled_up_to_every_request_counted(
     """Past --event-rate the event tier keeps 1 in 2^k rows; the replay issues as many
     requests per phase as the kernel counted (the aggregate tier), not the kept rows alone,
     and says so. Checked against the candidate's own /sys/block counters."""
-    rec = start_recorder("-d", loopdev, "--event-rate", "300")
-    r0 = settle(loopdev)
-    _engine_like(loopdev, Marker(rec.socket, engine="test"))
-    recorded = stat_delta(r0, settle(loopdev))
-    time.sleep(0.5)
-    assert rec.stop() == 0
-    before = rec.report()
+    before, recorded, stderr, result, d, after = _record_then_replay(
+        loopdev, loopdev2, start_recorder, tmp_path, "--event-rate", "300")
     assert before["session"]["event_sampling"], "the recording was meant to sample"
-
-    out = tmp_path / "replayed"
-    s0 = settle(loopdev2)
-    r = run_kvprof("replay", str(rec.out), "--on", f"/dev/{loopdev2}", "-o", str(out),
-                   "--json")
-    assert r.returncode == 0, r.stderr
-    assert "scaled up to the counts of its aggregate tier" in r.stderr, r.stderr
-    result = json.loads(r.stdout)
-    d = stat_delta(s0, settle(loopdev2))
-    after = json.loads(run_kvprof("report", str(out), "--json").stdout)
+    assert "scaled up to the counts of its aggregate tier" in stderr, stderr
     missed = before["session"]["lost_events"] + after["session"]["lost_events"]
     kept = sum(g["kept"] for g in result["scaled_up"])
     print(f"kept {kept} rows, issued {result['requests']}, candidate writes {d[WRITE_IOS]} "
