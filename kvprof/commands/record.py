@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import platform
+import select
 import shutil
 import signal
 import socket
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import duckdb
 import pyarrow as pa
@@ -115,21 +116,64 @@ def resolve_filters(opts: RecordOptions) -> CaptureFilter:
 
 
 class StopFlag:
-    """Set by SIGINT/SIGTERM, so a signal ends the recording cleanly at the next flush."""
+    """Set by SIGINT/SIGTERM, so a signal ends the recording cleanly at the next flush; waited
+    on like a threading.Event (`wait`, `is_set`, `set`).
+
+    Not a threading.Event: a Python signal handler runs in the main thread between two of its
+    bytecodes, which may be inside Event.wait holding the event's own lock, and Event.set
+    takes that lock again: the recorder then hung on Ctrl-C for good, SIGTERM included
+    (seen under load). Here the handler takes no lock: it sets a flag and writes a byte to a
+    pipe, and a wait is a select() on the pipe, woken by that byte from any thread."""
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self._set = False
+        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._old: dict = {}
+
+    def set(self) -> None:
+        self._set = True
+        try:
+            os.write(self._w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already readable, or closed after the recording
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._set:
+            try:
+                select.select([self._r], [], [], timeout)
+            except (OSError, ValueError):
+                pass  # closed: the recording is over
+        return self._set
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in (signal.SIGINT, signal.SIGTERM):
-            self._old[sig] = signal.signal(sig, lambda *_: self.event.set())
+            self._old[sig] = signal.signal(sig, lambda *_: self.set())
 
     def restore(self) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        self._old.clear()
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._r = self._w = -1
+
+
+class Stop(Protocol):
+    """What ends a recording: a threading.Event of the caller's, or the recorder's StopFlag."""
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+    def set(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -158,7 +202,7 @@ class Recorder:
         self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
         self._flag = StopFlag()
         # Without an event of the caller's, the flag's: open() has signals set it.
-        self.stop = stop if stop is not None else self._flag.event
+        self.stop: Stop = stop if stop is not None else self._flag
         self.live = live  # the store is read while it is written (`kvprof top`)
         self.out = Path(opts.out) if opts.out else default_out()
         self._attached: _Attached | None = None
@@ -231,7 +275,7 @@ class Recorder:
         from kvprof.capture.ebpf import Capture
         from kvprof.phases.mark_server import MarkServer, group_id, user_id
 
-        if self.stop is self._flag.event:
+        if self.stop is self._flag:
             self._flag.install()
         self._fresh_dir = not self.out.exists()
         # Claim the marker socket first: a second recorder on the same socket fails before it
