@@ -69,3 +69,17 @@ def test_a_quiet_device_lowers_the_rate_too(monkeypatch):
         clock[0] += sampling.WINDOW_S
         s.saw(lambda: 8000)
     assert s.shift == 2
+
+
+def test_the_drain_sleeps_longer_the_slower_the_ring_fills():
+    """Wake-ups cost the traced workload: the drain thread sleeps as long as the ring allows
+    at the rate it last saw (due before it is 1/8 full), within its bounds."""
+    from kvprof.capture import ebpf
+
+    ring = 16 << 20
+    assert ebpf.next_drain(0, 0.1, ring) == ebpf.DRAIN_IDLE_S  # nothing came
+    # ~45 MB/s (a row for every request at 350 k IOPS): due before 2 MiB, in ~47 ms
+    assert ebpf.next_drain(4_500_000, 0.1, ring) == pytest.approx(ring / 8 / 45e6)
+    assert ebpf.next_drain(ring, 0.1, ring) == ebpf.DRAIN_INTERVAL_S  # a flood
+    # ~1 MB/s (the default's 10 000 rows a second, sampled): the longest
+    assert ebpf.next_drain(100_000, 0.1, ring) == ebpf.DRAIN_IDLE_S

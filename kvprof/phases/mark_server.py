@@ -25,6 +25,7 @@ import grp
 import json
 import os
 import pwd
+import select
 import socket
 import stat
 import struct
@@ -300,7 +301,10 @@ class MarkServer:
             raise KvprofError(f"marker socket {self.path}: {e.strerror}", EX_USAGE) from None
         # The kernel attaches each sender's pid, uid and gid (it checks them: no forging).
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        self.sock.settimeout(0.1)
+        # Waits for a mark or stop()'s byte on the pipe, never on a timer: a recorder left
+        # attached to an idle server wakes for nothing.
+        self.sock.setblocking(False)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._loop, name="kvprof-marks", daemon=True)
 
     def start(self) -> None:
@@ -328,10 +332,13 @@ class MarkServer:
             pass  # (a sandbox that forbids capset: nothing to give up there)
         while not self._stop.is_set():
             try:
+                ready, _, _ = select.select([self.sock, self._wake_r], [], [])
+                if self.sock not in ready:
+                    continue  # stop()
                 data, cred = self._recv()
-            except socket.timeout:
+            except (BlockingIOError, InterruptedError):
                 continue
-            except OSError:
+            except (OSError, ValueError):
                 break
             self._handle(data, cred)
 
@@ -377,10 +384,18 @@ class MarkServer:
     def stop(self, end_ns: int) -> None:
         """Stop listening and close every open window at end_ns."""
         self._stop.set()
+        if self._wake_w >= 0:
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # (already woken)
         if self._thread.is_alive():
             self._thread.join()
+        if self._wake_w >= 0:  # (not on a second stop(): the numbers may be reused by now)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
         # Marks already queued on the socket still count.
-        self.sock.setblocking(False)
         while True:
             try:
                 data, cred = self._recv()
