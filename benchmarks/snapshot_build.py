@@ -72,6 +72,7 @@ class Synth:
             "inode": pa.nulls(n, pa.uint64()),
             "sample_weight": pa.array(np.ones(n, np.uint32)),
             "fetched_bytes": pa.nulls(n, pa.uint64()),  # (syscall reads only)
+            "file_offset": pa.nulls(n, pa.int64()),  # (syscall layer only)
         }, schema=schema.IO)
         tbl = tbl.take(np.argsort(issue + lat, kind="stable"))
         done = np.asarray(tbl["complete_ns"]) < t_to
