@@ -87,16 +87,23 @@ class Target:
     scratch: Path | None  # our own file, deleted afterwards
 
 
+def dir_device(path: Path) -> Device | None:
+    """The block device holding a directory's filesystem, or None where it has none of its
+    own (tmpfs, nfs, a btrfs subvolume's anonymous one)."""
+    st = os.stat(path)
+    if not os.major(st.st_dev):
+        return None
+    dev = by_number(os.major(st.st_dev), os.minor(st.st_dev))
+    return dev if sysfs_dir(dev).exists() else None
+
+
 def prepare(spec: str, size: int, force: bool, verb: str = "calibrate") -> Target:
     """The block device or directory to calibrate, checked for safety; a directory gets its
     scratch file written once with random data (a fresh file's holes or zeros would read
     without touching the device, or compress away on zram)."""
     p = Path(spec)
     if p.is_dir():
-        st = os.stat(p)
-        dev = by_number(os.major(st.st_dev), os.minor(st.st_dev)) if os.major(st.st_dev) else None
-        if dev is not None and not sysfs_dir(dev).exists():
-            dev = None  # a filesystem without a block device of its own (btrfs subvolume, nfs)
+        dev = dir_device(p)
         free = shutil.disk_usage(p).free
         if free < size + 64 * MIB:
             raise KvprofError(f"{p} has {free >> 20} MiB free; the scratch file needs "

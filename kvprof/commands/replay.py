@@ -487,21 +487,6 @@ def _recording_while(opts, windows, t0: int, last: int, lead_ns: int, speed: flo
     return start
 
 
-def _dir_device(path: Path):
-    """The block device holding a directory's filesystem, or None (tmpfs, nfs, a btrfs
-    subvolume's anonymous one)."""
-    import os
-
-    from kvprof.calibration import sysfs_dir
-    from kvprof.devices import by_number
-
-    st = os.stat(path)
-    if not os.major(st.st_dev):
-        return None
-    dev = by_number(os.major(st.st_dev), os.minor(st.st_dev))
-    return dev if sysfs_dir(dev).exists() else None
-
-
 def replay(session: str, on: str, phases: list[str], speed: float, out: str | None,
            force: bool = False, layer: str | None = None, caches: list[str] | None = None
            ) -> dict:
@@ -588,6 +573,7 @@ def _replay_files(got, session: str, on: str, phases: list[str], speed: float, d
     import subprocess
 
     from kvprof.caches import OTHER
+    from kvprof.commands.calibrate import dir_device
     from kvprof.commands.record import RecordOptions
 
     if not Path(on).is_dir():
@@ -608,7 +594,7 @@ def _replay_files(got, session: str, on: str, phases: list[str], speed: float, d
         raise KvprofError(f"{session}: no file reads, writes or syncs recorded (syscall layer, "
                           "with their offsets)" + (f" in {', '.join(phases)}" if phases else "")
                           + ": nothing to replay", EX_DATAERR)
-    dev = _dir_device(Path(on))
+    dev = dir_device(Path(on))
     if dev is None:
         raise KvprofError(f"{on} has no block device of its own to record", EX_USAGE)
     need = sum(fp.lay_down.values()) + int(fp.size[fp.kind == 1].sum())

@@ -332,8 +332,9 @@ class MarkServer:
             pass  # (a sandbox that forbids capset: nothing to give up there)
         while not self._stop.is_set():
             try:
-                ready, _, _ = select.select([self.sock, self._wake_r], [], [])
-                if self.sock not in ready:
+                sock = self.sock.fileno()
+                ready, _, _ = select.select([sock, self._wake_r], [], [])
+                if sock not in ready:
                     continue  # stop()
                 data, cred = self._recv()
             except (BlockingIOError, InterruptedError):
