@@ -26,7 +26,7 @@ FLOW = ((CAPTURE, PHASES), (STORE,), (ANALYSIS,), (VIEWS,), (COMMANDS,), ("kvpro
 SHARED = ("kvprof.schema", "kvprof.summary", "kvprof.layers", "kvprof.phase_sources",
           "kvprof.errors", "kvprof.system", "kvprof.privileges", "kvprof.devices",
           "kvprof.caches", "kvprof.roles", "kvprof.units", "kvprof.calibration",
-          "kvprof.markers")
+          "kvprof.markers", "kvprof.wakeup")
 
 
 @dataclass(frozen=True)

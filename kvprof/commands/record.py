@@ -6,7 +6,6 @@ import errno
 import json
 import os
 import platform
-import select
 import shutil
 import signal
 import socket
@@ -34,6 +33,7 @@ from kvprof.markers import socket_path
 from kvprof.phases import registry
 from kvprof.schema import SLOT_NS
 from kvprof.store.session import DB_FILE, Store, recorder_identity, segment_path, segments
+from kvprof.wakeup import Wakeup
 
 if TYPE_CHECKING:
     from kvprof.capture.ebpf import Capture, CaptureFilter
@@ -115,38 +115,13 @@ def resolve_filters(opts: RecordOptions) -> CaptureFilter:
                          cgroup_ids=tuple(cgroup_ids))
 
 
-class StopFlag:
-    """Set by SIGINT/SIGTERM, so a signal ends the recording cleanly at the next flush; waited
-    on like a threading.Event (`wait`, `is_set`, `set`).
-
-    Not a threading.Event: a Python signal handler runs in the main thread between two of its
-    bytecodes, which may be inside Event.wait holding the event's own lock, and Event.set
-    takes that lock again: the recorder then hung on Ctrl-C for good, SIGTERM included
-    (seen under load). Here the handler takes no lock: it sets a flag and writes a byte to a
-    pipe, and a wait is a select() on the pipe, woken by that byte from any thread."""
+class StopFlag(Wakeup):
+    """Set by SIGINT/SIGTERM, so a signal ends the recording cleanly at the next flush (a
+    Wakeup: its handler takes no lock)."""
 
     def __init__(self) -> None:
-        self._set = False
-        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        super().__init__()
         self._old: dict = {}
-
-    def set(self) -> None:
-        self._set = True
-        try:
-            os.write(self._w, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # already readable, or closed after the recording
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if not self._set:
-            try:
-                select.select([self._r], [], [], timeout)
-            except (OSError, ValueError):
-                pass  # closed: the recording is over
-        return self._set
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -158,12 +133,7 @@ class StopFlag:
         for sig, old in self._old.items():
             signal.signal(sig, old)
         self._old.clear()
-        for fd in (self._r, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._r = self._w = -1
+        self.close()
 
 
 class Stop(Protocol):

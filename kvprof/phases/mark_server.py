@@ -38,6 +38,7 @@ import pyarrow as pa
 from kvprof import privileges, schema
 from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.markers import MAX_DATAGRAM, WIRE_VERSION
+from kvprof.wakeup import Wakeup
 
 MAX_ENGINE_LEN = 128
 MAX_SID_LEN = 32
@@ -279,7 +280,6 @@ class MarkServer:
         self.malformed = 0
         self.refused = 0
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _claim(self.path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -301,10 +301,10 @@ class MarkServer:
             raise KvprofError(f"marker socket {self.path}: {e.strerror}", EX_USAGE) from None
         # The kernel attaches each sender's pid, uid and gid (it checks them: no forging).
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        # Waits for a mark or stop()'s byte on the pipe, never on a timer: a recorder left
-        # attached to an idle server wakes for nothing.
+        # Waits for a mark or for stop(), never on a timer: a recorder left attached to an
+        # idle server wakes for nothing.
         self.sock.setblocking(False)
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stop = Wakeup()
         self._thread = threading.Thread(target=self._loop, name="kvprof-marks", daemon=True)
 
     def start(self) -> None:
@@ -333,7 +333,7 @@ class MarkServer:
         while not self._stop.is_set():
             try:
                 sock = self.sock.fileno()
-                ready, _, _ = select.select([sock, self._wake_r], [], [])
+                ready, _, _ = select.select([sock, self._stop.fileno()], [], [])
                 if sock not in ready:
                     continue  # stop()
                 data, cred = self._recv()
@@ -385,17 +385,9 @@ class MarkServer:
     def stop(self, end_ns: int) -> None:
         """Stop listening and close every open window at end_ns."""
         self._stop.set()
-        if self._wake_w >= 0:
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:
-                pass  # (already woken)
         if self._thread.is_alive():
             self._thread.join()
-        if self._wake_w >= 0:  # (not on a second stop(): the numbers may be reused by now)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            self._wake_r = self._wake_w = -1
+        self._stop.close()
         # Marks already queued on the socket still count.
         while True:
             try:
