@@ -130,6 +130,12 @@ def test_exact_totals_equal_diskstats_at_full_rate(loopdev, start_recorder, tmp_
     finally:
         con.close()
     assert report["session"]["device_events"] is events
+    # The closing line says what was counted (the kernel's count above), not only the rows
+    # kept: with --no-events those are none.
+    counted = {layer: sum(o["ios"] for o in exact[layer].values())
+               for layer in ("block", "io_uring")}
+    assert (f"Counted {counted['block']} block, {counted['io_uring']} io_uring requests; "
+            f"kept {stored} event rows in ") in "".join(rec.stderr_lines)
     if not events:
         # No per-I/O rows: the report's per-phase figures are the exact ones.
         assert stored == 0 and rows == ours["ios"]

@@ -113,6 +113,9 @@ class AggregateReader:
     def __init__(self, bpf):
         self._agg = bpf["agg"]
         self._busy = bpf["busy"]
+        # Requests taken so far, by layer code: what the session counted, every one (the
+        # event tier's rows may be a sample, or none with --no-events).
+        self.counted: dict[int, int] = {}
 
     def take(self, final: bool = False) -> dict[str, np.ndarray]:
         """The keys whose second is over (all of them when `final`) leave the maps as
@@ -130,4 +133,8 @@ class AggregateReader:
             _delete(table, keys[over])
             out[name] = rows(keys[over], vals[over])
             out[f"{name}_open"] = rows(keys[~over], vals[~over])
+        agg = out["agg"]
+        for code in np.unique(agg["layer"]):
+            n = int(agg["ios"][agg["layer"] == code].sum())
+            self.counted[int(code)] = self.counted.get(int(code), 0) + n
         return out

@@ -275,6 +275,13 @@ class Capture:
             return int(final)
         return int(sum(self.bpf["counters"].getvalue(ctypes.c_int(URING_ON_BLOCK))))
 
+    def counted(self) -> dict[str, int]:
+        """Device-layer requests the aggregate tier has counted so far (every one, sampled
+        or not), by layer name; empty where no device layer is traced."""
+        if self.aggregate is None:
+            return {}
+        return {schema.LAYERS[code]: n for code, n in sorted(self.aggregate.counted.items())}
+
     def started(self) -> int:
         """Device-layer requests started since the probes attached (kept by sampling or not):
         the rate the event tier is offered, whatever the drain keeps up with."""

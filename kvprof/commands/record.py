@@ -450,7 +450,7 @@ class Recorder:
             self._write_row()
         _drop(self._reserve)
         self._reserve = None
-        self.log(f"Recorded {capture.events_total} I/Os in "
+        self.log(f"{_recorded(capture.counted(), capture.events_total)} in "
                  f"{(end_ns - self.row['start_ns']) / 1e9:.1f} s; lost {sum(lost.values())}. "
                  f"Report: kvprof report {self.out}")
 
@@ -665,6 +665,16 @@ def _drain(store: Store, capture, feeds: tuple, book: WindowBook,
     if exporter is not None:
         exporter.open_windows(opened)
     return now
+
+
+def _recorded(counted: dict[str, int], rows: int) -> str:
+    """The closing line's count: the requests the aggregate tier counted per device layer
+    (every one) and the event rows kept, which past --event-rate are a sample and with
+    --no-events none; without a device layer, the rows alone."""
+    if not counted:
+        return f"Recorded {rows} I/Os"
+    each = ", ".join(f"{n} {layer}" for layer, n in counted.items())
+    return f"Counted {each} requests; kept {rows} event rows"
 
 
 def _disk_bytes(out: Path, only: Path | None = None) -> int:
