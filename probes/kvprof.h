@@ -334,7 +334,7 @@ BPF_F_TABLE("hash", struct kvprof_busy_key, struct kvprof_busy_val, busy, KVPROF
 #define KVPROF_MAX_DEVICES 1024
 BPF_ARRAY(dev_state, struct kvprof_dev_state, KVPROF_MAX_DEVICES);
 BPF_HASH(dev_index, u32, u32, KVPROF_MAX_DEVICES);
-BPF_ARRAY(dev_count, u64, 1); /* 64 bits: the atomics bcc's LLVM has */
+BPF_ARRAY(dev_count, u64, 1); /* indices given; 64 bits: bcc's LLVM has no 32-bit atomics */
 
 /* The device's index, given it now if it has none; KVPROF_MAX_DEVICES when all are taken. */
 static __always_inline u32 kvprof_dev_index(u32 dev)
@@ -346,18 +346,11 @@ static __always_inline u32 kvprof_dev_index(u32 dev)
     u64 *count = dev_count.lookup(&zero);
     if (!count)
         return KVPROF_MAX_DEVICES;
-    u32 fresh = KVPROF_MAX_DEVICES;
-    for (int i = 0; i < 8; i++) { /* a compare-and-swap: bcc's LLVM has no fetch-add value */
-        u64 c = *count;
-        if (c >= KVPROF_MAX_DEVICES)
-            return KVPROF_MAX_DEVICES;
-        if (__sync_val_compare_and_swap(count, c, c + 1) == c) {
-            fresh = (u32)c;
-            break;
-        }
-    }
-    if (fresh >= KVPROF_MAX_DEVICES)
+    /* (counts on past KVPROF_MAX_DEVICES once they are all given: harmless) */
+    u64 c = __sync_fetch_and_add(count, 1);
+    if (c >= KVPROF_MAX_DEVICES)
         return KVPROF_MAX_DEVICES;
+    u32 fresh = (u32)c;
     dev_index.insert(&dev, &fresh); /* another CPU may have been first: use its index */
     idx = dev_index.lookup(&dev);
     return idx ? *idx : KVPROF_MAX_DEVICES;
