@@ -11,18 +11,21 @@ from pathlib import Path
 
 
 @contextmanager
-def loop_device(name: str, size: int = 256 << 20, data: int = 0) -> Iterator[str]:
+def loop_device(name: str, size: int = 256 << 20, data: int = 0,
+                under: Path | None = None) -> Iterator[str]:
     """Yields the device path (/dev/loopN); detached and its file removed afterwards. The
     file is sparse beyond its first `data` bytes (random): a read of a hole copies the one
     shared zero page, which costs the loop worker next to nothing, so the CPU that submits
     is all that limits a sparse device; reads of data copy real pages, as a device moves
-    real data."""
-    backing = Path(f"/dev/shm/kvprof-{name}-{os.getpid()}.img")
+    real data. The file is in /dev/shm, or with `under` a directory on a disk, read and
+    written with direct I/O (losetup --direct-io): the disk's latency, not the page cache's."""
+    backing = Path(under or "/dev/shm") / f"kvprof-{name}-{os.getpid()}.img"
     with open(backing, "wb") as f:
         for _ in range(data >> 20):
             f.write(os.urandom(1 << 20))
     os.truncate(backing, size)
-    dev = subprocess.run(["losetup", "--find", "--show", str(backing)], check=True,
+    direct = ["--direct-io=on"] if under is not None else []
+    dev = subprocess.run(["losetup", "--find", "--show", *direct, str(backing)], check=True,
                          capture_output=True, text=True).stdout.strip()
     try:
         yield dev

@@ -19,6 +19,9 @@ What it shows: a loop device's "service time" is a kernel worker running on the 
 CPUs, so tens of microseconds of block latency depend on what the generator does with the
 CPUs; a replay reproduces the requests and their arrivals (its threads sleep until each is
 due and block in the call), not the recorded process's CPU use.
+
+`--under DIR` puts both loop devices' files in DIR on a disk, filled with data and read with
+direct I/O, so their latency is the disk's (here the VM's virtio disk, i.e. the host's).
 """
 from __future__ import annotations
 
@@ -109,11 +112,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rate", type=int, default=2000)
     ap.add_argument("--bs", type=int, default=16384)
+    ap.add_argument("--under", type=Path, help="the devices' files in this directory on a disk")
     a = ap.parse_args()
+    data = SPAN if a.under else 0  # (a hole on a file system is read without the disk)
     tmp = Path(tempfile.mkdtemp(prefix="kvprof-replay-lat-"))
     print(f"decode: {a.bs} B random reads at {a.rate}/s for 2 s; block read latency, us\n")
     print(f"{'generator':<14} round   p50 rec -> replay (ratio)   p99 rec -> replay (ratio)")
-    with loop_device("rl-a") as dev, loop_device("rl-b") as cand:
+    with loop_device("rl-a", data=data, under=a.under) as dev, \
+            loop_device("rl-b", data=data, under=a.under) as cand:
         for r in range(a.rounds):
             for name, make in GENERATORS.items():
                 out = tmp / f"{name.replace(' ', '-')}-{r}"
