@@ -28,8 +28,8 @@ def _fio(dev: str, *job: str) -> None:
 
 
 def _engine_like(dev: str, marker: Marker) -> None:
-    """Two rounds of prefill (256 KiB writes at 40 MB/s, open loop) and decode (4 KiB random
-    reads of 16 KiB at 2 000 a second): arrivals the device keeps up with, as a server's would be."""
+    """Two rounds of prefill (256 KiB writes at 40 MB/s, open loop) and decode (16 KiB random
+    reads at 2 000 a second): arrivals the device keeps up with, as a server's would be."""
     for rnd in range(2):
         marker.mark("prefill")
         _fio(dev, "--rw=write", "--bs=256k", "--rate=40m", "--runtime=2", "--size=64M",
@@ -81,12 +81,18 @@ def test_a_replay_on_the_same_kind_of_device_reproduces_each_phase(
     before, recorded, _, result, d, after = _record_then_replay(
         loopdev, loopdev2, start_recorder, tmp_path)
     # The writes the candidate got, by its own counters, are the ones the recorded device
-    # got, by its own: one for one, none merged. (Its reads also count the safety check's
-    # look at its first MiB.)
-    assert (d[WRITE_IOS], d[WRITE_SECTORS]) == (recorded[WRITE_IOS], recorded[WRITE_SECTORS])
-    # Loop devices on 6.18 complete a few requests in a million without the completion
-    # tracepoint; each session counts those it missed (block_completion_not_seen), and the
-    # figures may differ by no more than those.
+    # got, by its own: one for one, none merged (its reads also count the safety check's
+    # look at its first MiB), but for those the recording holds no row of. Loop devices on
+    # 6.18 complete a few requests in a million without the completion tracepoint; each
+    # session counts those it missed (block_completion_not_seen): a write missed so is
+    # neither a row nor replayed (seen: 639 of 640, with one counted), and the figures may
+    # differ by no more than those.
+    short = recorded[WRITE_IOS] - d[WRITE_IOS]
+    losses = {k: n for k, n in before["session"]["lost_by_reason"].items() if n}
+    print(f"writes: recorded device {recorded[WRITE_IOS]}, candidate {d[WRITE_IOS]}; "
+          f"the recording's losses {losses}")
+    assert 0 <= short <= before["session"]["lost_events"]
+    assert recorded[WRITE_SECTORS] - d[WRITE_SECTORS] == short * ((256 << 10) // 512)
     missed = before["session"]["lost_events"] + after["session"]["lost_events"]
     assert 0 <= result["requests"] - result["replayed"] <= after["session"]["lost_events"]
     figures = []
