@@ -86,8 +86,10 @@ BLOCK = Layer(
 IO_URING = Layer(
     "io_uring", 1, "io_uring.bpf.c", device=True,
     help="io_uring requests, submission to completion",
-    tracepoints=("io_uring/io_uring_submit_req", "io_uring/io_uring_complete"),
-    raw_args={"io_uring_submit_req": ("struct io_kiocb *",),
+    tracepoints=("io_uring/io_uring_create", "io_uring/io_uring_submit_req",
+                 "io_uring/io_uring_complete"),
+    raw_args={"io_uring_create": ("int", "void *", "u32", "u32", "u32"),
+              "io_uring_submit_req": ("struct io_kiocb *",),
               "io_uring_complete": ("struct io_ring_ctx *", "void *", "struct io_uring_cqe *")},
     fields={"KVPROF_IOK_OPCODE": ("io_kiocb", "opcode"),
             "KVPROF_IOK_CTX": ("io_kiocb", "ctx"),
