@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import calibration, schema
-from kvprof.analysis.fold import flatten
+from kvprof.analysis.fold import flatten, flatten_whole
 from kvprof.analysis.intervals import busy_between
 from kvprof.analysis.rollup import GRID_NS
 from kvprof.analysis.rowsource import (
@@ -173,9 +173,10 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
     total_s = max(t1 - t0, 0) / 1e9
     times = {p: float(durations[wp == p].sum()) / 1e9 for p in schema.PHASES}
 
-    # The whole session also counts rows issued outside its bounds.
+    # The whole session also counts rows issued outside its bounds, each in its own window.
     whole = t0 == info.start_ns and t1 == info.end_ns
-    pieces = Pieces(ws, we, wp, t0, t1, info.start_ns, whole)
+    pieces = Pieces(*(flatten_whole(windows, t0, t1) if whole else (ws, we, wp)), t0, t1,
+                    info.start_ns, whole)
     got = rows.per_phase(pieces, view)
     ops = _layer_ops(got.stats, times)
     idle = _idle(ws, we, wp, [d["name"] for d in info.devices] or got.devices, got.islands_of)
@@ -708,12 +709,14 @@ def timeline(rows: RowSource, nbins: int = 200, mixed: str = "apart") -> dict[st
     bin_ns = max(1, math.ceil((t1 - t0) / nbins))
     edges = t0 + np.arange(nbins + 1, dtype=np.int64) * bin_ns
     windows = rows.windows()
-    ws, we, wp = flatten(split_mixed(windows) if mixed == "split" else windows, t0, t1)
+    if mixed == "split":
+        windows = split_mixed(windows)
+    ws, we, wp = flatten(windows, t0, t1)
     covered = _phase_time(ws, we, wp, edges)
     stacked = np.vstack([covered[p] for p in schema.PHASES])
     series: dict[str, Any] = {}
-    for b, p, layer, op, ios, nbytes in rows.bins(Pieces(ws, we, wp, t0, t1, t0, True), bin_ns,
-                                                  nbins):
+    whole = Pieces(*flatten_whole(windows, t0, t1), t0, t1, t0, True)
+    for b, p, layer, op, ios, nbytes in rows.bins(whole, bin_ns, nbins):
         s = series.setdefault(f"{p}.{layer}.{op}", {"phase": p, "layer": layer, "op": op,
                                                     "ios": [0] * nbins, "bytes": [0] * nbins})
         s["ios"][int(b)] = int(ios)

@@ -42,6 +42,18 @@ def flatten(windows: pa.Table, t0: int, t1: int) -> tuple[np.ndarray, np.ndarray
     return fast if fast is not None else _flatten_sweep(windows, t0, t1)
 
 
+def flatten_whole(windows: pa.Table, t0: int, t1: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """flatten for a view of the whole session, which counts every row, those issued between
+    attaching and the session's first timestamp `t0` too: the pieces start before every
+    window, so such a row lands in the window that held it (an engine step already running
+    when the probes attached), not in whatever phase holds t0; a row before every window in
+    the idle piece in front (row lookups reach the first piece back to the start of time)."""
+    starts = windows["start_ns"].to_numpy(zero_copy_only=False)
+    first = int(starts.min()) if len(starts) else t0
+    return flatten(windows, min(t0, first) - 1, t1)
+
+
 def _flatten_sweep(windows: pa.Table, t0: int, t1: int
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """flatten for any windows: a sweep over their edges with a heap of those covering."""

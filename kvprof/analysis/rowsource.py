@@ -66,9 +66,10 @@ class ViewFilter:
 @dataclass(frozen=True)
 class Pieces:
     """Disjoint phase pieces in time order; `t0` cuts them: the view is [t0, end of the last
-    piece), and pieces before t0 (a timeline reaching further back) feed only `over_time`'s
-    timeline. `whole`: the view is the whole session, which also counts rows issued outside
-    its bounds (between attaching and the first timestamp, or completing after the end)."""
+    piece), and pieces before t0 feed only `over_time`'s timeline (reaching further back)
+    and a whole view's rows issued before t0. `whole`: the view is the whole session, which
+    also counts rows issued outside its bounds (between attaching and the first timestamp,
+    or completing after the end): its pieces are fold.flatten_whole's."""
     start: np.ndarray
     end: np.ndarray
     phase: np.ndarray
