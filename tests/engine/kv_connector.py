@@ -88,7 +88,8 @@ class LmcacheDisk:
     """LMCache's `LocalDiskBackend` with its CPU allocator: a buffered `.pt` file per chunk
     (here a chunk is one vLLM block), written by its disk worker threads and read back by
     `batched_get_blocking`, which fans the reads out on `readers` threads (its
-    `disk_io_threads`: the parallel-read change). The connector waits at the engine's save
+    `disk_io_threads`: the parallel-read change); beyond `disk_gb` it evicts the least
+    recently used chunks and removes their files (its `max_local_disk_size`). The connector waits at the engine's save
     point for LMCache's puts to finish (LMCache's own connector does not wait, and its writes
     land in the steps after); LMCache keeps its index in memory, so a chunk is loaded only by
     the worker that stored it."""
@@ -96,7 +97,8 @@ class LmcacheDisk:
     cache = "lmcache-disk"
     direct = False
 
-    def __init__(self, root: str, model: str, block_size: int, readers: int = 4) -> None:
+    def __init__(self, root: str, model: str, block_size: int, readers: int = 4,
+                 disk_gb: float = 4.0) -> None:
         import asyncio
 
         from lmcache.utils import CacheEngineKey
@@ -109,7 +111,7 @@ class LmcacheDisk:
         os.makedirs(root, exist_ok=True)
         config = LMCacheEngineConfig.from_defaults(
             chunk_size=block_size, local_cpu=False, local_disk=root,
-            max_local_disk_size=4.0, extra_config={"disk_io_threads": readers})
+            max_local_disk_size=disk_gb, extra_config={"disk_io_threads": readers})
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="lmcache-loop",
                          daemon=True).start()
