@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import direct_random_reads, direct_write, live, run_kvprof
+from tests.conftest import (
+    assert_kernel_count,
+    direct_random_reads,
+    direct_write,
+    live,
+    run_kvprof,
+)
 
 pytestmark = live
 
@@ -125,12 +131,17 @@ def test_prometheus_scrapes_the_reports_per_phase_totals(loopdev, start_recorder
     exact = report["exact"]["phases"]
     want_bytes = {(p, op): e["bytes"] for p in exact for op, e in exact[p]["block"].items()}
     want_ios = {(p, op): e["ios"] for p in exact for op, e in exact[p]["block"].items()}
-    print(f"PromQL {got_bytes}; report {want_bytes}")
+    print(f"PromQL {got_bytes}; report {want_bytes}; lost "
+          f"{report['session']['lost_by_reason']}")
     assert got_bytes == want_bytes and got_ios == want_ios
-    assert want_bytes[("prefill", "write")] == 48 << 20
-    assert want_ios[("decode", "read")] == 4000
+    # What was written and read, but for a request kvprof reports lost (on 6.18 loop devices
+    # a few per million complete unseen by block_rq_complete: block_completion_not_seen;
+    # CI saw 3999 reads once); a lost write is at most one 1 MiB request.
+    lost = report["session"]["lost_events"]
+    assert 0 <= (48 << 20) - want_bytes[("prefill", "write")] <= lost << 20
+    assert_kernel_count(want_ios[("decode", "read")], 4000, report)
     # The report's per-phase rows agree too (every row recorded here).
-    assert report["phases"]["decode"]["block"]["read"]["ios"] == 4000
+    assert report["phases"]["decode"]["block"]["read"]["ios"] == want_ios[("decode", "read")]
     assert 0 <= idle["prefill"] < 1 and 0 <= idle["decode"] < 1
     assert seconds["prefill"] > 0 and seconds["decode"] > 0
     assert up and up[0]["metric"]["session"] == report["session"]["id"]
