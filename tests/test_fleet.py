@@ -15,7 +15,13 @@ import pytest
 import yaml
 
 from kvprof import schema
-from tests.conftest import direct_random_reads, direct_write, live, run_kvprof
+from tests.conftest import (
+    assert_issued,
+    direct_random_reads,
+    direct_write,
+    live,
+    run_kvprof,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 HOSTS = ("gpu-a", "gpu-b", "gpu-c")
@@ -65,8 +71,11 @@ def test_three_hosts_into_one_directory_sum_to_the_fleet_report(loopdev, start_r
     for host, rep in zip(HOSTS, reports):
         mine = got["hosts"][host]["phases"]["decode"]["block"]["read"]
         assert mine["bytes"] == rep["phases"]["decode"]["block"]["read"]["bytes"]
-    assert got["phases"]["prefill"]["block"]["write"]["bytes"] == (8 + 16 + 24) << 20
-    assert got["phases"]["decode"]["block"]["read"]["ios"] == 300 + 600 + 900
+    # What was written and read, but for requests the sessions report lost.
+    lost = sum(rep["session"]["lost_events"] for rep in reports)
+    assert_issued(got["phases"]["prefill"]["block"]["write"]["bytes"], (8 + 16 + 24) << 20,
+                  lost, 1 << 20)
+    assert_issued(got["phases"]["decode"]["block"]["read"]["ios"], 300 + 600 + 900, lost)
     text = run_kvprof("report", "--parquet", str(fleet)).stdout
     assert "3 sessions on 3 hosts" in text
 
@@ -88,7 +97,8 @@ def test_three_hosts_into_one_directory_sum_to_the_fleet_report(loopdev, start_r
     assert run_kvprof("export", str(tmp_path / "s0"), "--parquet", str(fleet), "--hive",
                       "--host", HOSTS[0]).returncode == 0
     again = json.loads(run_kvprof("report", "--parquet", str(fleet), "--json").stdout)
-    assert again["phases"]["decode"]["block"]["read"]["ios"] == 1800
+    assert again["phases"]["decode"]["block"]["read"]["ios"] == \
+        got["phases"]["decode"]["block"]["read"]["ios"]
     r = run_kvprof("export", str(tmp_path / "s0"), "--parquet", str(tmp_path / "x"),
                    "--host", "h")
     assert (r.returncode, r.stderr) == (
