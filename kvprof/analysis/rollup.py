@@ -184,8 +184,8 @@ class _Runs:
             self.starts[h]:self.starts[h] + self.lens[h]] for h in hits])
 
     def quantiles_us(self, g: int, n: int) -> list[float]:
-        """quantile_cont of the metric (ns) / 1e3 over group g: linear between the order
-        statistics around (n-1)*q. The division is monotonic, so ranks pick integers."""
+        """quantile_cont of the metric (ns) over group g, in µs: linear between the order
+        statistics around (n-1)*q."""
         cum = np.concatenate([[0], np.cumsum(self.counts[g])]).astype(np.int64)
         pos = [(n - 1) * q for _, q in schema.QUANTILES]
         ranks = sorted({int(np.floor(r)) for r in pos} | {int(np.ceil(r)) for r in pos})
@@ -201,9 +201,10 @@ class _Runs:
             value.update({k: int(part[i]) for k, i in zip(want, local)})
         out = []
         for r in pos:
+            # In ns, then µs, as the SQL (quantile_cont of the integers, divided after).
             lo, hi = int(np.floor(r)), int(np.ceil(r))
-            a, b = value[lo] / 1e3, value[hi] / 1e3
-            out.append(float(a + (r - lo) * (b - a)))
+            a, b = float(value[lo]), float(value[hi])
+            out.append((a + (b - a) * (r - lo)) / 1e3)
         return out
 
 
