@@ -529,10 +529,11 @@ class SqlRows(RowSource):
             every.wait()
             raise
         rows = []
-        for phase, layer, op, ios, nbytes, total, queue, device, joint in stats:
-            total, queue, device = (None if q is None else [v / 1e3 for v in q]
-                                    for q in (total, queue, device))
-            if layer != "block":
+        for phase, layer, op, ios, nbytes, total_ns, queue_ns, device_ns, joint in stats:
+            total = [v / 1e3 for v in total_ns]
+            if layer == "block":
+                queue, device = [v / 1e3 for v in queue_ns], [v / 1e3 for v in device_ns]
+            else:
                 queue, device = [0.0] * len(total), total
             rows.append(StatRow(phase, layer, op, ios, nbytes, total, queue, device,
                                 *_split_hist(joint)))
