@@ -81,6 +81,7 @@ def test_fpm_windows_attribute_loop_device_io(loopdev, start_recorder, tmp_path)
     # request, since no issue slot held both phases' requests.
     exact = report["exact"]["phases"]
     assert exact["prefill"]["block"]["write"]["ios"] == pre["write"]["ios"]
-    # (Both short alike of the kernel's 800 by a completion the kernel did not trace.)
     assert exact["decode"]["block"]["read"]["ios"] == dec["read"]["ios"]
+    assert_kernel_count(exact["decode"]["block"]["read"]["ios"], stat_delta(s1, s2)[READ_IOS],
+                        report)
     assert report["exact"]["boundary"]["ios"] == 0

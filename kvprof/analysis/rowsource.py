@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import functools
 import json
-import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -299,33 +300,6 @@ def _in_view(pieces: Pieces, view: ViewFilter, time_column: str = "issue_ns"
 _BEGIN = "CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END"
 
 
-class _Background:
-    """`fn()` run on a thread from now; `result()` waits for it and returns what it returned
-    or raises what it raised."""
-
-    def __init__(self, fn: Callable[[], Any]):
-        self._out: list = []
-
-        def run() -> None:
-            try:
-                self._out.append((True, fn()))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller of result()
-                self._out.append((False, e))
-        # Not a daemon: one stopped inside DuckDB at exit aborts the process.
-        self._thread = threading.Thread(target=run, name="kvprof-islands")
-        self._thread.start()
-
-    def wait(self) -> None:
-        self._thread.join()
-
-    def result(self) -> Any:
-        self._thread.join()
-        ok, value = self._out[0]
-        if not ok:
-            raise value
-        return value
-
-
 # A row's latency in its parts (ns): from insert (or issue when it skipped the scheduler
 # queue) to completion, insert to issue, issue to completion.
 _TIMES = f"""complete_ns - {_BEGIN} AS total_ns,
@@ -392,8 +366,10 @@ class SqlRows(RowSource):
 
     def __init__(self, cur: duckdb.DuckDBPyConnection):
         self.cur = cur
+        # A second cursor and one thread for it, made when first needed: work beside the
+        # main cursor's query, one piece at a time (a cursor runs one query at a time).
         self._side_cur: duckdb.DuckDBPyConnection | None = None
-        self._pending: _Background | None = None  # the side cursor's work
+        self._side_pool: ThreadPoolExecutor | None = None
 
     def info(self) -> SessionInfo:
         return session_info(self.cur)
@@ -500,6 +476,8 @@ class SqlRows(RowSource):
             self._side_cur.interrupt()
 
     def close(self) -> None:
+        if self._side_pool is not None:
+            self._side_pool.shutdown()
         if self._side_cur is not None:
             self._side_cur.close()
         self.cur.close()
@@ -517,16 +495,13 @@ class SqlRows(RowSource):
         # The busy islands of all the view's block requests (time idle %, always asked for)
         # are fetched and sorted on a second cursor while the query below runs, which leaves
         # part of a CPU idle (0.1 s of a 10 M-row report on two cores).
-        if self._pending is not None:
-            self._pending.wait()  # (the side cursor runs one query at a time)
-        side = self._side()
-        self._pending = every = _Background(lambda: self._fetch_islands(side, pieces.t0, pieces.t1, view,
-                                                        None))
+        side, pool = self._side()
+        every = pool.submit(self._fetch_islands, side, pieces.t0, pieces.t1, view, None)
         try:
             stats = self._stats(pieces, cond, params)
         except BaseException:
-            side.interrupt()  # (the thread ends with it: not left behind to work for no one)
-            every.wait()
+            side.interrupt()  # (not left behind to work for no one)
+            wait_for([every])
             raise
         rows = []
         for phase, layer, op, ios, nbytes, total_ns, queue_ns, device_ns, joint in stats:
@@ -741,14 +716,14 @@ class SqlRows(RowSource):
                               *([device] if device is not None else [])]).to_arrow_table()
         return busy_islands(tbl["s"].to_numpy(), tbl["e"].to_numpy())
 
-    def _side(self) -> duckdb.DuckDBPyConnection:
-        """A second cursor on the same database, for work beside the main one's."""
-        if self._side_cur is None:
+    def _side(self) -> tuple[duckdb.DuckDBPyConnection, ThreadPoolExecutor]:
+        if self._side_cur is None or self._side_pool is None:
             self._side_cur = self.cur.cursor()
-        return self._side_cur
+            self._side_pool = ThreadPoolExecutor(1, thread_name_prefix="kvprof-side")
+        return self._side_cur, self._side_pool
 
     def _islands(self, t0: int, t1: int, view: ViewFilter, whole: bool, any_block: bool,
-                 every: _Background):
+                 every: Future[Islands]):
         """Busy islands per device (`every`: those of all devices, being fetched) and the
         devices the window's block requests went to. `any_block`: the view has block
         requests."""
