@@ -388,8 +388,13 @@ static __always_inline void kvprof_hist_inc(u32 *hist, u32 s)
     __sync_fetch_and_add((u64 *)&hist[s & ~1U], 1ULL << (32 * (s & 1)));
 }
 
-static __always_inline void kvprof_agg(u8 layer, u8 op, u32 dev, u64 issue_ns, u64 bytes,
-                                       u64 queue_ns, u64 service_ns, u64 complete_ns)
+/* A request completed: counted in its issue slot with its size, queue time and, when `timed`,
+ * its service time (a block request whose completion the kernel never traced is counted, as
+ * diskstats counts it, without one: the service histogram then holds one request less than
+ * the size histogram, which counts every request). */
+static __always_inline void kvprof_agg_as(u8 layer, u8 op, u32 dev, u64 issue_ns, u64 bytes,
+                                          u64 queue_ns, u64 service_ns, u64 complete_ns,
+                                          int timed)
 {
     struct kvprof_agg_key k = {};
     k.slot = issue_ns / KVPROF_SLOT_NS;
@@ -412,7 +417,8 @@ static __always_inline void kvprof_agg(u8 layer, u8 op, u32 dev, u64 issue_ns, u
         __sync_fetch_and_add(&v->bytes, bytes);
     if (queue_ns)
         __sync_fetch_and_add(&v->queue_ns, queue_ns);
-    __sync_fetch_and_add(&v->service_ns, service_ns);
+    if (timed)
+        __sync_fetch_and_add(&v->service_ns, service_ns);
     u64 off = issue_ns - k.slot * KVPROF_SLOT_NS;
     kvprof_max64(&v->first_inv, KVPROF_SLOT_NS - off);
     kvprof_max64(&v->last, off);
@@ -426,9 +432,17 @@ static __always_inline void kvprof_agg(u8 layer, u8 op, u32 dev, u64 issue_ns, u
         if (s < KVPROF_AGG_SLOTS)
             kvprof_hist_inc(v->queue, s);
     }
+    if (!timed)
+        return;
     s = kvprof_slot(service_ns);
     if (s < KVPROF_AGG_SLOTS)
         kvprof_hist_inc(v->service, s);
+}
+
+static __always_inline void kvprof_agg(u8 layer, u8 op, u32 dev, u64 issue_ns, u64 bytes,
+                                       u64 queue_ns, u64 service_ns, u64 complete_ns)
+{
+    kvprof_agg_as(layer, op, dev, issue_ns, bytes, queue_ns, service_ns, complete_ns, 1);
 }
 
 static __always_inline void kvprof_busy_put(u64 slot, u32 dev, u32 run, u64 ns, u64 from_off,

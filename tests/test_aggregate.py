@@ -15,6 +15,7 @@ import pytest
 
 from kvprof.markers import Marker
 from tests.conftest import (
+    AT_STOP,
     READ_IOS,
     READ_SECTORS,
     WRITE_IOS,
@@ -37,16 +38,6 @@ def fio_randread(dev: str, seconds: float, out) -> dict:
                     "--time_based", f"--runtime={seconds}", "--size=200M",
                     "--output-format=json", f"--output={out}"], check=True)
     return json.loads(out.read_text())["jobs"][0]
-
-
-def skipped(report: dict) -> int:
-    """Block requests the probes could not count, each reported, never silent: completions
-    the kernel did not let a probe see (another BPF program ran on that CPU), requests still
-    in flight when detaching, completions whose issue was not seen (`block_*` reasons, as
-    benchmarks/soak.py accounts them)."""
-    lost = report["session"]["lost_by_reason"]
-    return lost.get("probe_skipped_nested", 0) + sum(
-        n for reason, n in lost.items() if reason.startswith("block_"))
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="needs fio")
@@ -114,7 +105,10 @@ def test_exact_totals_equal_diskstats_at_full_rate(loopdev, start_recorder, tmp_
     print(f"{'with' if events else 'without'} events: fio {job['read']['total_ios']} reads "
           f"({job['read']['iops']:,.0f} IOPS); kernel {d[READ_IOS]}; exact {ours['ios']}; "
           f"event rows {rows}; lost {report['session']['lost_by_reason']}")
-    assert 0 <= d[READ_IOS] - ours["ios"] <= skipped(report)
+    # Every read the kernel counted: a completion it did not trace (a few per million here)
+    # is counted once it starts that request again; only one it had not by the stop is not.
+    lost = report["session"]["lost_by_reason"]
+    assert 0 <= d[READ_IOS] - ours["ios"] <= lost.get(AT_STOP, 0)
     if d[READ_IOS] == ours["ios"]:
         assert ours["bytes"] == d[READ_SECTORS] * 512
     assert "write" not in exact["block"] or exact["block"]["write"]["ios"] == d[WRITE_IOS]
@@ -163,7 +157,7 @@ def test_exact_per_phase_follows_marks(loopdev, start_recorder):
     assert rec.stop() == 0, "".join(rec.stderr_lines)
     report = rec.report()
     exact = report["exact"]["phases"]
-    block_lost = skipped(report)
+    block_lost = report["session"]["lost_by_reason"].get(AT_STOP, 0)
     for phase, d in deltas.items():
         op, ios, sectors = (("write", WRITE_IOS, WRITE_SECTORS) if phase == "prefill"
                             else ("read", READ_IOS, READ_SECTORS))
@@ -171,8 +165,9 @@ def test_exact_per_phase_follows_marks(loopdev, start_recorder):
         events = report["phases"][phase]["block"][op]
         print(f"{phase} {op}: kernel {d[ios]} ios {d[sectors] * 512} B; exact {got['ios']} "
               f"{got['bytes']} B; events {events['ios']}")
-        # Equal to the kernel's, but for completions the probes were not shown (counted:
-        # the 6.18 loop device's rare unseen completion costs both tiers the same request).
+        # Equal to the kernel's: a completion the kernel did not trace (6.18 loop devices, a
+        # few per million) is counted when it starts that request again, and one it had not
+        # by the stop is reported held then.
         missing = d[ios] - got["ios"]
         assert 0 <= missing <= block_lost, (missing, report["session"]["lost_by_reason"])
         assert missing or got["bytes"] == d[sectors] * 512
@@ -273,7 +268,7 @@ def test_past_the_event_rate_rows_are_sampled_and_counts_stay_exact(loopdev, sta
     ours = report["exact"]["totals"]["block"]["read"]["ios"]
     print(f"kernel {d[READ_IOS]} reads; exact {ours}; rows kept {kept}, weighted {weighted}; "
           f"shifts {shifts}; {sampling}")
-    assert 0 <= d[READ_IOS] - ours <= skipped(report)
+    assert 0 <= d[READ_IOS] - ours <= report["session"]["lost_by_reason"].get(AT_STOP, 0)
     assert shifts[0] == 0 and max(shifts) >= 3 and sampling["max_one_in"] == 1 << max(shifts)
     assert kept < d[READ_IOS] / 4
     # Each kept row stands for its weight: together an unbiased estimate of the count.

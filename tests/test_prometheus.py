@@ -14,10 +14,17 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvprof import schema
+from kvprof.views.prometheus import Exporter
 
 from tests.conftest import (
+    AT_STOP,
     UNTRACED,
     assert_kernel_count,
     direct_random_reads,
@@ -135,11 +142,12 @@ def test_prometheus_scrapes_the_reports_per_phase_totals(loopdev, start_recorder
     print(f"PromQL {got_bytes}; report {want_bytes}; lost "
           f"{report['session']['lost_by_reason']}")
     assert got_bytes == want_bytes and got_ios == want_ios
-    # What was written and read, but for completions the kernel did not trace (CI saw 3999
-    # reads once); a write request carries at most 1 MiB here.
-    assert_kernel_count(want_bytes[("prefill", "write")], 48 << 20, report, 1 << 20, UNTRACED)
-    assert_kernel_count(want_ios[("decode", "read")], 4000, report, reason=UNTRACED)
-    # The report's per-phase rows agree too (every row recorded here).
+    # What was written and read: the exact tier counts a completion the kernel did not trace
+    # too (CI saw 3999 reads once), once the kernel starts that request again; one it had not
+    # by the stop is held then (AT_STOP). A write request carries at most 1 MiB here.
+    assert_kernel_count(want_bytes[("prefill", "write")], 48 << 20, report, 1 << 20, AT_STOP)
+    assert_kernel_count(want_ios[("decode", "read")], 4000, report, reason=AT_STOP)
+    # The report's per-phase rows agree too (every row recorded here, but for those).
     assert_kernel_count(report["phases"]["decode"]["block"]["read"]["ios"], 4000, report,
                         reason=UNTRACED)
     assert 0 <= idle["prefill"] < 1 and 0 <= idle["decode"] < 1
@@ -188,3 +196,27 @@ def test_a_taken_port_is_one_line_and_nothing_attaches(loopdev, tmp_path):
     r = run_kvprof("record", "-d", loopdev, "--prometheus", "nonsense")
     assert (r.returncode, r.stderr) == (
         64, "kvprof: error: --prometheus 'nonsense': expected PORT or ADDR:PORT\n")
+
+
+def test_a_request_counted_without_a_service_time_is_in_the_ops_not_the_latency_histogram():
+    # The exact tier counts a block completion the kernel did not trace (it found the request
+    # started again) with its size and no service time: 3 requests, 2 with one (1 and 3 µs).
+    # The histogram Prometheus reads is of those 2; the ops counter has all 3.
+    hist = [0] * schema.AGG_SLOTS
+    hist[10], hist[12] = 1, 1  # [512, 1024) ns and [2048, 4096) ns
+    exp = Exporter({"version": "t", "kernel": "k", "host": "h", "session": "s"})
+    exp.rows("io_agg", pa.table({
+        "phase": ["decode"], "op": ["read"], "layer": ["block"], "dev_name": ["loop9"],
+        "ios": pa.array([3], pa.uint64()), "bytes": pa.array([12288], pa.uint64()),
+        "service_ns": pa.array([4000], pa.uint64()),
+        "service_hist": pa.array([hist], pa.list_(pa.uint32()))}))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(exp)
+    text = generate_latest(registry).decode()
+    got = {(s.name, s.labels.get("le")): s.value
+           for fam in text_string_to_metric_families(text) for s in fam.samples
+           if s.labels.get("device") == "loop9"}
+    assert got[("kvprof_io_ops_total", None)] == 3
+    assert got[("kvprof_io_latency_seconds_count", None)] == 2
+    assert got[("kvprof_io_latency_seconds_bucket", "+Inf")] == 2
+    assert got[("kvprof_io_latency_seconds_sum", None)] == pytest.approx(4e-6)

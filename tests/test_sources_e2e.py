@@ -8,7 +8,9 @@ import msgpack
 import zmq
 
 from tests.conftest import (
+    AT_STOP,
     READ_IOS,
+    UNTRACED,
     WRITE_IOS,
     assert_kernel_count,
     direct_random_reads,
@@ -79,9 +81,12 @@ def test_fpm_windows_attribute_loop_device_io(loopdev, start_recorder, tmp_path)
     assert dec["write"]["ios"] == 0
     # The exact tier follows the same windows, which arrived after their I/O: here to the
     # request, since no issue slot held both phases' requests.
+    # (It counts a completion the kernel did not trace too, which has no row: reported.)
     exact = report["exact"]["phases"]
-    assert exact["prefill"]["block"]["write"]["ios"] == pre["write"]["ios"]
-    assert exact["decode"]["block"]["read"]["ios"] == dec["read"]["ios"]
+    assert_kernel_count(pre["write"]["ios"], exact["prefill"]["block"]["write"]["ios"], report,
+                        reason=UNTRACED)
+    assert_kernel_count(dec["read"]["ios"], exact["decode"]["block"]["read"]["ios"], report,
+                        reason=UNTRACED)
     assert_kernel_count(exact["decode"]["block"]["read"]["ios"], stat_delta(s1, s2)[READ_IOS],
-                        report)
+                        report, reason=AT_STOP)
     assert report["exact"]["boundary"]["ios"] == 0

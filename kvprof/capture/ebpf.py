@@ -80,8 +80,10 @@ DEVICE_STARTED = 7  # KVPROF_DEVICE_STARTED: not a loss, the sampling's rate off
 # KVPROF_URING_ON_BLOCK: not a loss either, io_uring requests to raw block devices (O_DIRECT)
 # left to the block layer (probes/io_uring.bpf.c).
 URING_ON_BLOCK = 8
-# Requests still in flight at stop, by the layer that held them: never seen completing.
-NOT_SEEN = {"block": "block_completion_not_seen", "io_uring": "io_uring_completion_not_seen",
+# Requests still in flight at stop, by the layer that held them: never seen completing. (A
+# block request the kernel completed without tracing it and then started again is counted
+# apart, by the probe: block_completion_not_seen, in the exact tier all the same.)
+NOT_SEEN = {"block": "block_in_flight_at_stop", "io_uring": "io_uring_completion_not_seen",
             "syscall": "syscall_completion_not_seen"}
 # The `layer` byte of struct kvprof_io (KVPROF_LAYER_*).
 LAYER_BLOCK = layer_table.BLOCK.code
@@ -414,7 +416,8 @@ class Capture:
         lost = self.lost()
         self._on_block_final = self.on_block()  # (the counters go with the probes)
         # Requests still held as in flight were never seen completing: skipped completion
-        # probes, or I/O in flight at the moment of detaching. Either way, not recorded.
+        # probes, or I/O in flight at the moment of detaching. Either way, not recorded in
+        # either tier.
         for layer, count in self._held_at_stop().items():
             lost[NOT_SEEN[layer]] = lost.get(NOT_SEEN[layer], 0) + count
         self._lost_final = lost

@@ -199,7 +199,9 @@ class Exporter:
             key = [p, op, layer, dev]
             nbytes.add_metric(key, b)
             ops.add_metric(key, n)
-            lat.add_metric(key, _buckets(hist, n), sum_value=ns / 1e9)
+            # (the histogram's count is of the requests with a service time: a completion the
+            # kernel never traced has none)
+            lat.add_metric(key, _buckets(hist), sum_value=ns / 1e9)
         yield from (nbytes, ops, lat)
         b = CounterMetricFamily("kvprof_device_busy_seconds", "Time each block device had a "
                                 "request in flight, per phase", labels=["phase", "device"])
@@ -231,14 +233,14 @@ class Exporter:
         yield info
 
 
-def _buckets(hist: list[int], total: int) -> list[tuple[str, int]]:
+def _buckets(hist: list[int]) -> list[tuple[str, int]]:
     """Cumulative (le, count) pairs from log2 slots: slot i counts values below 2^i ns."""
     out, cum = [], 0
     for i, n in enumerate(hist):
         cum += int(n)
         if i >= FIRST_SLOT:
             out.append((repr((1 << i) / 1e9), cum))
-    out.append(("+Inf", total))
+    out.append(("+Inf", cum))
     return out
 
 
