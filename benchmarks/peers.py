@@ -1,6 +1,7 @@
 """kvprof's cost beside the tools ops already trust, side by side in one run.
 
     sudo .venv/bin/python benchmarks/peers.py [--rounds 5] [--runtime 5] [--job ...] [--tool ...]
+                                                [--backing data] [--bpf-stats]
 
 The same load on the same private loop device (over /dev/shm) for every tool: fio without any
 tracer, fio with the tool attached, fio without again; the ratio is the attached figure over
@@ -129,11 +130,45 @@ TOOLS = (
 
 def fio(dev: str, job: list[str], runtime: int) -> float:
     """The job's figure: IOPS for reads, MB/s for writes."""
+    return _fio(dev, job, runtime)[0]
+
+
+def _fio(dev: str, job: list[str], runtime: int) -> tuple[float, int]:
+    """The job's figure and the requests it completed."""
     out = subprocess.run(["fio", "--name=b", f"--filename={dev}", "--time_based",
                           f"--runtime={runtime}", "--size=128M", "--output-format=json", *job],
                          check=True, capture_output=True, text=True).stdout
     j = json.loads(out)["jobs"][0]
-    return j["read"]["iops"] if "--rw=randread" in job else j["write"]["bw_bytes"] / 1e6
+    d = j["read"] if "--rw=randread" in job else j["write"]
+    return (d["iops"] if "--rw=randread" in job else d["bw_bytes"] / 1e6), d["total_ios"]
+
+
+def _prog_stats() -> dict[int, tuple[str, int, int]]:
+    """Every loaded BPF program's (name, runs, ns run), by id (kernel.bpf_stats_enabled)."""
+    out = subprocess.run(["bpftool", "prog", "show", "--json"], check=True,
+                         capture_output=True, text=True).stdout
+    return {p["id"]: (p.get("name", "?"), p.get("run_cnt", 0), p.get("run_time_ns", 0))
+            for p in json.loads(out)}
+
+
+def bpf_costs(dev: str, job: list[str], runtime: int) -> dict[str, float]:
+    """One more fio run with the kernel's BPF run-time statistics on: per program that ran,
+    the ns it ran per request fio completed (the statistics cost time of their own, so the
+    ratios come from runs without them). Where each tool's cost goes, program by program."""
+    stats = Path("/proc/sys/kernel/bpf_stats_enabled")
+    stats.write_text("1")
+    try:
+        before = _prog_stats()
+        _, ios = _fio(dev, job, runtime)
+        after = _prog_stats()
+    finally:
+        stats.write_text("0")
+    out = {}
+    for pid, (name, runs, ns) in after.items():
+        _, runs0, ns0 = before.get(pid, (name, 0, 0))
+        if runs > runs0:
+            out[name] = (ns - ns0) / max(ios, 1)
+    return out
 
 
 def attach(tool: Tool, dev: str, tmp: Path, timeout: float = 60) -> subprocess.Popen | str:
@@ -192,11 +227,19 @@ def main() -> int:
                     help="the loop device's file: sparse (reads cost the device next to "
                          "nothing: the tracers' cost on the submitting CPU in full) or random "
                          "data where the jobs read and write (the device copies real pages)")
+    ap.add_argument("--bpf-stats", action="store_true",
+                    help="also run each attached job once more with the kernel's BPF run-time "
+                         "statistics on and print, per tool, the ns its programs ran per "
+                         "request (needs bpftool)")
     args = ap.parse_args()
+    if args.bpf_stats and not shutil.which("bpftool"):
+        print("peers.py: --bpf-stats needs bpftool", file=sys.stderr)
+        return 2
     jobs = [j for j in JOBS if not args.job or j in args.job]
     tools = [t for t in TOOLS if not args.tool or t.name in args.tool]
     tmp = Path(tempfile.mkdtemp(prefix="kvprof-peers-"))
     ratios: dict[tuple[str, str], list[float]] = {}
+    costs: dict[tuple[str, str], list[dict[str, float]]] = {}
     absent: dict[str, str] = {}
     with loop_device("peers", data=(128 << 20) if args.backing == "data" else 0) as dev:
         for r in range(args.rounds):
@@ -211,6 +254,9 @@ def main() -> int:
                         print(f"{tool.name}: not measured ({got})", flush=True)
                         continue
                     traced = fio(dev, JOBS[job], args.runtime)
+                    if args.bpf_stats:
+                        costs.setdefault((job, tool.name), []).append(
+                            bpf_costs(dev, JOBS[job], args.runtime))
                     detach(got, tool.stop)
                     after = fio(dev, JOBS[job], args.runtime)
                     ratio = traced / ((before + after) / 2)
@@ -233,6 +279,15 @@ def main() -> int:
             cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}..{max(v):.2f})" if v
                          else "-")
         print(f"| {tool.name} | " + " | ".join(cells) + " |")
+    if costs:
+        print("\nBPF run time per request (median over the rounds; kernel.bpf_stats_enabled, "
+              "which adds its own clock reads to each run):")
+        for (job, name), runs in costs.items():
+            progs = sorted({p for r in runs for p in r})
+            per = {p: statistics.median(r.get(p, 0.0) for r in runs) for p in progs}
+            total = statistics.median(sum(r.values()) for r in runs)
+            print(f"  {job} / {name}: {total:.0f} ns (" +
+                  ", ".join(f"{p} {v:.0f}" for p, v in per.items()) + ")")
     return 0
 
 

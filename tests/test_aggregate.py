@@ -111,6 +111,10 @@ def test_exact_totals_equal_diskstats_at_full_rate(loopdev, start_recorder, tmp_
     assert 0 <= d[READ_IOS] - ours["ios"] <= lost.get(AT_STOP, 0)
     if d[READ_IOS] == ours["ios"]:
         assert ours["bytes"] == d[READ_SECTORS] * 512
+    # Those counted so have no service time: its histogram holds the others, every one.
+    timed = report["exact"]["phases"]["idle"]["block"]["read"]
+    assert sum(timed["service_hist_ns"].values()) == \
+        timed["ios"] - lost.get("block_completion_not_seen", 0)
     assert "write" not in exact["block"] or exact["block"]["write"]["ios"] == d[WRITE_IOS]
     # fio's io_uring requests, each counted once whatever the ring kept.
     assert 0 <= job["read"]["total_ios"] - exact["io_uring"]["read"]["ios"] <= \
