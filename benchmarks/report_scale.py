@@ -1,6 +1,7 @@
 """The full per-phase report over a big session, against a bare DuckDB scan of the same table.
 
     .venv/bin/python benchmarks/report_scale.py [--rows 10000000] [--windows 100000]
+                                                [--queued all|none]
 
 Builds a synthetic session (benchmarks/snapshot_build.py's busy engine: reads and writes on
 one device plus io_uring rows) with ROWS io rows and WINDOWS phase windows (prefill and decode
@@ -49,10 +50,15 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=100_000)
     ap.add_argument("--seconds", type=int, default=100, help="session length")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--queued", choices=("all", "none"), default="all",
+                    help="block requests that waited in a scheduler queue: all (as with "
+                         "mq-deadline) or none (no scheduler, as NVMe and loop devices)")
     a = ap.parse_args()
     t = time.perf_counter()
     period_ns = 2 * a.seconds * NS // a.windows  # two windows per period
     con = make_session(Synth(a.rows // a.seconds, period_ns), a.seconds)
+    if a.queued == "none":
+        con.execute("UPDATE io SET insert_ns = 0")
     n, w = (con.execute(f"SELECT count(*) FROM {t}").fetchall()[0][0] for t in ("io", "phase"))
     print(f"session: {n:,} io rows, {w:,} windows; built in {time.perf_counter() - t:.0f} s")
     check_same(summarize(SqlRows(con.cursor())), con.execute(USER_QUERY).fetchall())

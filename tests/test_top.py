@@ -471,3 +471,51 @@ def test_phase_panel_shows_each_kv_cache_where_it_has_room():
     # Too short for the extra lines: the device's numbers keep their place.
     assert not any(line.startswith("app ") for line in short)
     assert short[-1].startswith("idle")
+
+
+@pytest.mark.parametrize("queued", ["none", "some", "all"])
+def test_queue_and_device_quantiles_equal_numpy_on_the_rows_whatever_waited_in_a_queue(
+        tmp_path, queued):
+    """Queue and device time quantiles per phase and op, with no block request queued by a
+    scheduler (NVMe, loop), some, or all: numpy's (linear, as quantile_cont) over DuckDB's
+    own join of the rows to the windows; the dashboard's row cache says the same."""
+    import duckdb
+    import numpy as np
+
+    from kvprof.analysis.iocache import IoCache
+    from kvprof.analysis.rollup import Rollup
+    from kvprof.analysis.rowsource import LiveRows
+
+    shutil.copytree(SAMPLE, tmp_path / "s")
+    waited = {"none": "FALSE", "some": "issue_ns % 3 = 0", "all": "TRUE"}[queued]
+    with duckdb.connect(str(tmp_path / "s" / "session.duckdb")) as con:
+        con.execute(f"""UPDATE io SET insert_ns = CASE WHEN {waited}
+                        THEN issue_ns - 500 - issue_ns % 7000 ELSE 0 END
+                        WHERE layer = 'block'""")
+        rows = con.execute("""
+            SELECT coalesce(w.phase, 'idle'), io.op,
+                   CASE WHEN insert_ns > 0 THEN issue_ns - insert_ns ELSE 0 END,
+                   complete_ns - issue_ns
+            FROM io LEFT JOIN phase w ON io.issue_ns >= w.start_ns AND io.issue_ns < w.end_ns
+            WHERE io.layer = 'block'""").fetchall()
+    want: dict = {}
+    for p, op, q, d in rows:
+        want.setdefault((p, op), ([], []))
+        want[(p, op)][0].append(q)
+        want[(p, op)][1].append(d)
+    con = open_replay(tmp_path / "s")
+    try:
+        report = summarize(SqlRows(con))
+        live = Rollup(IoCache())
+        live.cache.refresh(con)
+        assert_same_report(summarize(LiveRows(SqlRows(con), live)), report)
+    finally:
+        con.close()
+    qs = [q for _, q in schema.QUANTILES]
+    for (p, op), (q, d) in want.items():
+        got = report["phases"][p]["block"][op]
+        for key, values in (("queue_us", q), ("device_us", d)):
+            ref = np.percentile(np.array(values, np.int64), [100 * x for x in qs]) / 1e3
+            assert list(got[key].values()) == pytest.approx(list(ref), rel=1e-9), \
+                (queued, p, op, key)
+    assert (queued == "none") == all(max(q) == 0 for q, _ in want.values())

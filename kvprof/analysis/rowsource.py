@@ -499,14 +499,18 @@ class SqlRows(RowSource):
         every = pool.submit(self._fetch_islands, side, pieces.t0, pieces.t1, view, None)
         try:
             stats = self._stats(pieces, cond, params)
+            if any(0 < queued < ios for _, layer, _, ios, _, _, _, _, queued, _ in stats
+                   if layer == "block"):
+                stats = self._stats(pieces, cond, params, every_block_row=True)
         except BaseException:
             side.interrupt()  # (not left behind to work for no one)
             wait_for([every])
             raise
         rows = []
-        for phase, layer, op, ios, nbytes, total_ns, queue_ns, device_ns, joint in stats:
+        for phase, layer, op, ios, nbytes, total_ns, queue_ns, device_ns, queued, joint \
+                in stats:
             total = [v / 1e3 for v in total_ns]
-            if layer == "block":
+            if layer == "block" and queued:
                 queue, device = [v / 1e3 for v in queue_ns], [v / 1e3 for v in device_ns]
             else:
                 queue, device = [0.0] * len(total), total
@@ -516,10 +520,16 @@ class SqlRows(RowSource):
                                             any(r.layer == "block" for r in rows), every)
         return PerPhase(rows, islands_of, present)
 
-    def _stats(self, pieces: Pieces, cond: str, params: list) -> list[tuple]:
+    def _stats(self, pieces: Pieces, cond: str, params: list,
+               every_block_row: bool = False) -> list[tuple]:
         """per_phase's one pass over the joined rows: counts, exact quantiles and both log2
-        histograms."""
+        histograms. Queue and device time quantiles are selected among the block requests
+        that waited in a scheduler queue: where none did (no scheduler, as on NVMe and loop
+        devices) queue time is 0 and device time the total, where all did they are all the
+        requests; a group with both takes a second pass over every block row
+        (`every_block_row`)."""
         qs = "[" + ", ".join(str(q) for _, q in schema.QUANTILES) + "]"
+        queued = "layer = 'block'" + ("" if every_block_row else " AND insert_ns > 0")
         return self._joined(pieces, f"""
             WITH io AS (
                 SELECT io.*, w.w_code AS code,
@@ -531,11 +541,13 @@ class SqlRows(RowSource):
                        -- Of the integer ns, made µs below: selecting among integers is
                        -- cheaper than among doubles made per row (0.2 s of 2.1 at 10 M rows).
                        quantile_cont(total_ns, {qs}),
-                       -- Only the block layer has a queue (no other probe sets insert_ns):
-                       -- elsewhere queue time is 0 and device time the total, set below
-                       -- rather than sorted for.
-                       quantile_cont(queue_ns, {qs}) FILTER (WHERE layer = 'block'),
-                       quantile_cont(device_ns, {qs}) FILTER (WHERE layer = 'block'),
+                       -- Only the block layer has a queue (no other probe sets insert_ns),
+                       -- and only where a scheduler queued (above): elsewhere queue time
+                       -- is 0 and device time the total, set by per_phase rather than
+                       -- sorted for.
+                       quantile_cont(queue_ns, {qs}) FILTER (WHERE {queued}),
+                       quantile_cont(device_ns, {qs}) FILTER (WHERE {queued}),
+                       count(*) FILTER (WHERE {queued}),
                        -- Both log2 histograms in one, by (size's power of two, latency's):
                        -- split below. The size's is of requests that carry data (SIZELESS:
                        -- a flush has none, and the exact tier's slot 0 is left out too).
