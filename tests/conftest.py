@@ -308,11 +308,12 @@ def start_recorder(tmp_path):
 # On 6.18 loop devices the kernel runs block_rq_complete for 6-8 fewer requests per million
 # than it issues and diskstats counts (bpftrace's count of the two tracepoints, no kvprof:
 # psync, io_uring and libaio alike). kvprof counts each as a loss of the event tier: when the
-# kernel starts that request again (block_completion_not_seen; the exact tier counts it then,
+# kernel starts that request again (NOT_SEEN; the exact tier counts it then,
 # as diskstats does), or, not started again by the stop, as held then (AT_STOP: counted by
 # neither tier).
+NOT_SEEN = "block_completion_not_seen"
 AT_STOP = "block_in_flight_at_stop"
-UNTRACED = ("block_completion_not_seen", AT_STOP)
+UNTRACED = (NOT_SEEN, AT_STOP)
 
 
 def assert_kernel_count(ours: int, kernel: int, report: dict, each: int = 1,

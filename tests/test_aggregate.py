@@ -16,11 +16,13 @@ import pytest
 from kvprof.markers import Marker
 from tests.conftest import (
     AT_STOP,
+    NOT_SEEN,
     READ_IOS,
     READ_SECTORS,
     WRITE_IOS,
     WRITE_SECTORS,
     aligned,
+    assert_kernel_count,
     direct_random_reads,
     direct_write,
     live,
@@ -107,14 +109,13 @@ def test_exact_totals_equal_diskstats_at_full_rate(loopdev, start_recorder, tmp_
           f"event rows {rows}; lost {report['session']['lost_by_reason']}")
     # Every read the kernel counted: a completion it did not trace (a few per million here)
     # is counted once it starts that request again; only one it had not by the stop is not.
-    lost = report["session"]["lost_by_reason"]
-    assert 0 <= d[READ_IOS] - ours["ios"] <= lost.get(AT_STOP, 0)
+    assert_kernel_count(ours["ios"], d[READ_IOS], report, reason=AT_STOP)
     if d[READ_IOS] == ours["ios"]:
         assert ours["bytes"] == d[READ_SECTORS] * 512
     # Those counted so have no service time: its histogram holds the others, every one.
     timed = report["exact"]["phases"]["idle"]["block"]["read"]
     assert sum(timed["service_hist_ns"].values()) == \
-        timed["ios"] - lost.get("block_completion_not_seen", 0)
+        timed["ios"] - report["session"]["lost_by_reason"].get(NOT_SEEN, 0)
     assert "write" not in exact["block"] or exact["block"]["write"]["ios"] == d[WRITE_IOS]
     # fio's io_uring requests, each counted once whatever the ring kept.
     assert 0 <= job["read"]["total_ios"] - exact["io_uring"]["read"]["ios"] <= \
@@ -161,7 +162,6 @@ def test_exact_per_phase_follows_marks(loopdev, start_recorder):
     assert rec.stop() == 0, "".join(rec.stderr_lines)
     report = rec.report()
     exact = report["exact"]["phases"]
-    block_lost = report["session"]["lost_by_reason"].get(AT_STOP, 0)
     for phase, d in deltas.items():
         op, ios, sectors = (("write", WRITE_IOS, WRITE_SECTORS) if phase == "prefill"
                             else ("read", READ_IOS, READ_SECTORS))
@@ -172,10 +172,12 @@ def test_exact_per_phase_follows_marks(loopdev, start_recorder):
         # Equal to the kernel's: a completion the kernel did not trace (6.18 loop devices, a
         # few per million) is counted when it starts that request again, and one it had not
         # by the stop is reported held then.
-        missing = d[ios] - got["ios"]
-        assert 0 <= missing <= block_lost, (missing, report["session"]["lost_by_reason"])
-        assert missing or got["bytes"] == d[sectors] * 512
-        assert (got["ios"], got["bytes"]) == (events["ios"], events["bytes"])
+        assert_kernel_count(got["ios"], d[ios], report, reason=AT_STOP)
+        assert got["ios"] != d[ios] or got["bytes"] == d[sectors] * 512
+        # The rows are those, less the completions the kernel did not trace (no row has one).
+        assert_kernel_count(events["ios"], got["ios"], report, reason=NOT_SEEN)
+        assert got["ios"] != events["ios"] or got["bytes"] == events["bytes"]
+        missing = d[ios] - events["ios"]
         idle_exact = exact[phase]["devices"][loopdev]["time_idle_pct"]
         idle_events = report["phases"][phase]["block"]["devices"][loopdev]["time_idle_pct"]
         print(f"{phase} time idle: exact {idle_exact:.3f} %, events {idle_events:.3f} %")
@@ -272,7 +274,7 @@ def test_past_the_event_rate_rows_are_sampled_and_counts_stay_exact(loopdev, sta
     ours = report["exact"]["totals"]["block"]["read"]["ios"]
     print(f"kernel {d[READ_IOS]} reads; exact {ours}; rows kept {kept}, weighted {weighted}; "
           f"shifts {shifts}; {sampling}")
-    assert 0 <= d[READ_IOS] - ours <= report["session"]["lost_by_reason"].get(AT_STOP, 0)
+    assert_kernel_count(ours, d[READ_IOS], report, reason=AT_STOP)
     assert shifts[0] == 0 and max(shifts) >= 3 and sampling["max_one_in"] == 1 << max(shifts)
     assert kept < d[READ_IOS] / 4
     # Each kept row stands for its weight: together an unbiased estimate of the count.
