@@ -305,9 +305,10 @@ def start_recorder(tmp_path):
             rec.proc.wait()
 
 
-# On 6.18 loop devices the kernel runs block_rq_complete for 6-8 fewer requests per million
-# than it issues and diskstats counts (bpftrace's count of the two tracepoints, no kvprof:
-# psync, io_uring and libaio alike). kvprof counts each as a loss of the event tier: when the
+# On the Firecracker test VMs a completion the kernel serves in a softirq on top of the VM
+# agent's threads (PID 1) runs no BPF program and counts no miss (ftrace's event fires; a few
+# in 10 000 requests under load, fewer idle; bpftrace loses them alike). diskstats counts them.
+# kvprof counts each as a loss of the event tier: when the
 # kernel starts that request again (NOT_SEEN; the exact tier counts it then,
 # as diskstats does), or, not started again by the stop, as held then (AT_STOP: counted by
 # neither tier).
