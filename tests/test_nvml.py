@@ -376,3 +376,42 @@ def test_record_with_nvml_source_stores_gpu_rows_and_windows(sim_lib, tmp_path):
     got = {i: v for i, v in enumerate(util["y"]) if v is not None}
     assert got.keys() == want.keys() and len(got) > 10
     assert all(got[i] == pytest.approx(want[i]) for i in got)
+
+
+# -- a real GPU's rows ------------------------------------------------------------------------
+H100 = Path(__file__).parent / "nvml_h100" / "gpu_check.json"
+
+
+def _gpu_check():
+    """benchmarks/gpu_check.py, whose scoring the recorded run is held to."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("fields", ["gpm", "fallback"])
+def test_a_real_h100s_rows_classify_as_the_work_that_ran(fields):
+    """Rows the real sampler took on an NVIDIA H100 (nvidia-ml-py, torch 2.11 with CUDA 13)
+    while benchmarks/gpu_check.py ran prefill-like work (bf16 GEMMs of 4 096 tokens, causal
+    attention) and decode-like work (the same weight against 8 tokens, one token's attention
+    over 8 x 8 192 cached ones) at times it recorded: every segment, 1 s ones included, is
+    labelled as what ran for all of its time but the 250 ms at each edge (NVML's averaging),
+    through GPM and, with the GPM fields taken out (GPUs before Hopper), through the
+    utilisation fallback. Also: decode kept DRAM busier than the tensor cores, prefill the
+    reverse, as the classifier assumes."""
+    gc = _gpu_check()
+    run = json.loads(H100.read_text())
+    rows = run["rows"]
+    if fields == "fallback":
+        rows = [{**r, **{f: None for f in GPM_FIELDS}} for r in rows]
+    windows = classify(rows)
+    for seg in run["segments"]:
+        inner = gc.shares(windows, seg["start_ns"] + gc.GUARD_NS, seg["end_ns"] - gc.GUARD_NS)
+        assert gc.agreement(seg["phase"], inner) >= 0.99, (seg["phase"], inner)
+        if seg["phase"] != "idle":
+            med = gc.medians(run["rows"], seg["start_ns"], seg["end_ns"])
+            busier = med["tensor_active_pct"] > med["dram_bw_util_pct"]
+            assert busier is (seg["phase"] == "prefill"), med

@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from kvprof import schema
 from kvprof.markers import step_phase  # noqa: F401 - re-exported for sources
+from kvprof.phases.windows import phase_row  # noqa: F401 - re-exported for sources
 
 
 class PhaseSource:
@@ -93,12 +94,3 @@ class PhaseSource:
 
     def counts(self) -> dict[str, int]:
         return {f"{self.name}.{k}": v for k, v in self._problems.items()}
-
-
-def phase_row(start_ns: int, end_ns: int, phase: str, source: str, engine: str = "",
-              prefill_tokens: int | None = None, decode_tokens: int | None = None,
-              gpu: int | None = None, confidence: float = 1.0) -> dict:
-    """One row of the phase table (source is one of schema.SOURCE_RANK)."""
-    return {"start_ns": int(start_ns), "end_ns": int(end_ns), "phase": phase, "source": source,
-            "engine": engine, "gpu": gpu, "prefill_tokens": prefill_tokens,
-            "decode_tokens": decode_tokens, "confidence": float(confidence)}

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvprof.phases.base import phase_row
+
+def phase_row(start_ns: int, end_ns: int, phase: str, source: str, engine: str = "",
+              prefill_tokens: int | None = None, decode_tokens: int | None = None,
+              gpu: int | None = None, confidence: float = 1.0) -> dict:
+    """One row of the phase table (source is one of schema.SOURCE_RANK). Here, not in base,
+    so that the classifiers build windows without pyarrow (the GPU check runs them alone)."""
+    return {"start_ns": int(start_ns), "end_ns": int(end_ns), "phase": phase, "source": source,
+            "engine": engine, "gpu": gpu, "prefill_tokens": prefill_tokens,
+            "decode_tokens": decode_tokens, "confidence": float(confidence)}
 
 
 @dataclass
