@@ -19,6 +19,7 @@ from tests.conftest import (
     IO_TICKS,
     READ_IOS,
     READ_SECTORS,
+    UNTRACED,
     WRITE_IOS,
     WRITE_SECTORS,
     aligned,
@@ -175,7 +176,8 @@ def test_io_uring_to_a_raw_device_is_left_to_the_block_layer_by_default(
     s = report["session"]
     losses = {k: n for k, n in s["lost_by_reason"].items() if n}
     print(f"block reads: kernel {delta[READ_IOS]}; losses {losses}")
-    assert s["lost_events"] == 0, losses
+    # Nothing lost but a completion no probe could see (UNTRACED: the kernel ran none there).
+    assert s["lost_events"] == sum(losses.get(r, 0) for r in UNTRACED), losses
     assert s["io_uring_on_block"] == 4096
     uring = sum(report["phases"][p]["io_uring"]["read"]["ios"] for p in report["phases"])
     assert uring == 2048
