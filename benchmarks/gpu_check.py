@@ -13,10 +13,16 @@ imported alone). The work, each segment timed here, is the truth:
 - idle: nothing queued.
 
 Script: idle 2 s, prefill 4 s, idle 1 s, decode 4 s, idle 1 s, then prefill and decode 1 s
-each, three times, and idle 1 s. The host syncs with the GPU every ~20 ms of work, so a
-segment's host times are its GPU times within that. A thread polls the sampler every 100 ms
-(the `nvml` source's interval) and feeds each row to the classifier's WindowTracker, as
-kvprof.phases.nvml.NvmlSource does; the windows are scored against the segments: the share of
+each, three times, and idle 1 s. With --mixed, then mixed steps as vLLM's chunked prefill runs
+them (a prefill chunk of C tokens, attending causally within the chunk, and the decode step in
+one step), 1.5 s for each C in MIXED_CHUNKS, 1 s idle between: not scored (the classifier
+has no mixed label), printed with the chunk's share of the step's GPU time (CUDA events over
+the two parts run apart), to say where the labels turn.
+
+The host syncs with the GPU every ~20 ms of work, so a segment's host times are its GPU times
+within that. A thread polls the sampler every 100 ms (the `nvml` source's interval) and
+feeds each row to the classifier's WindowTracker, as kvprof.phases.nvml.NvmlSource does; the
+windows are scored against the segments: the share of
 each segment's time the windows label as its phase, over the whole segment and without its
 first and last 250 ms (NVML averages over up to 100 ms windows, utilisation over longer).
 
@@ -52,6 +58,7 @@ POLL_S = 0.1
 SYNC_EVERY_S = 0.02
 PLAN = ([("idle", 2.0), ("prefill", 4.0), ("idle", 1.0), ("decode", 4.0), ("idle", 1.0)]
         + [("prefill", 1.0), ("decode", 1.0)] * 3 + [("idle", 1.0)])
+MIXED_CHUNKS = (64, 256, 1024, 2048, 4096)
 FIELDS = ("gpu_util_pct", "mem_util_pct", "sm_active_pct", "tensor_active_pct",
           "dram_bw_util_pct", "power_w", "pcie_rx_bytes_per_s")
 
@@ -76,15 +83,37 @@ class Work:
         ctx = 512 if small else 8192
         self.q_decode = torch.randn(8, heads, 1, hd, device=device, dtype=dt)
         self.kv_decode = torch.randn(2, 8, heads, ctx, hd, device=device, dtype=dt)
+        self.chunk = n  # the prefill chunk of a mixed step: a prefix of the prefill tensors
 
     def sync(self) -> None:
         if self.device != "cpu":
             self.torch.cuda.synchronize()
 
-    def prefill(self) -> None:
-        self.x_prefill @ self.w
-        self.F.scaled_dot_product_attention(self.q_prefill, self.kv_prefill[0],
-                                            self.kv_prefill[1], is_causal=True)
+    def prefill(self, n: int | None = None) -> None:
+        n = n or self.x_prefill.shape[0]
+        self.x_prefill[:n] @ self.w
+        self.F.scaled_dot_product_attention(self.q_prefill[:, :, :n], self.kv_prefill[0, :, :, :n],
+                                            self.kv_prefill[1, :, :, :n], is_causal=True)
+
+    def mixed(self) -> None:
+        self.prefill(self.chunk)
+        self.decode()
+
+    def gpu_ms(self, step, n: int = 20) -> float:
+        """GPU time of one `step`, by CUDA events around n of them (host time on a CPU)."""
+        if self.device == "cpu":
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step()
+            return (time.perf_counter() - t0) * 1e3 / n
+        start, end = (self.torch.cuda.Event(enable_timing=True) for _ in range(2))
+        step()
+        start.record()
+        for _ in range(n):
+            step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
 
     def decode(self) -> None:
         self.x_decode @ self.w
@@ -92,7 +121,7 @@ class Work:
 
     def run(self, phase: str, seconds: float) -> tuple[int, int, int]:
         """Runs `phase` for `seconds`; returns (start_ns, end_ns, steps)."""
-        step = {"prefill": self.prefill, "decode": self.decode}.get(phase)
+        step = {"prefill": self.prefill, "decode": self.decode, "mixed": self.mixed}.get(phase)
         self.sync()
         start = time.monotonic_ns()
         end_at = start + int(seconds * 1e9)
@@ -175,6 +204,13 @@ def score(segments: list[dict], rows: list[dict], windows: list[dict], gpu: int)
         whole = shares(mine, seg["start_ns"], seg["end_ns"])
         inner = shares(mine, seg["start_ns"] + GUARD_NS, seg["end_ns"] - GUARD_NS)
         seg.setdefault("score", {})[gpu] = {"whole": whole, "inner": inner}
+        if seg["phase"] == "mixed":
+            med = medians([r for r in rows if r["gpu"] == gpu], seg["start_ns"], seg["end_ns"])
+            print(f"  mixed   chunk {seg['chunk']:4d} tokens, {seg['prefill_share']:.2f} of the "
+                  f"step's GPU time: inner prefill {inner['prefill']:.2f} decode "
+                  f"{inner['decode']:.2f} none {inner['none']:.2f}  "
+                  + " ".join(f"{v}" for v in med.values()))
+            continue
         long = seg["end_ns"] - seg["start_ns"] >= 1.9e9 or seg["phase"] == "idle"
         right = agreement(seg["phase"], inner)
         if long and right < 0.9:
@@ -193,6 +229,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--mixed", action="store_true", help="also mixed (chunked prefill) steps")
     args = ap.parse_args()
     try:
         sampler = NvmlSampler()
@@ -212,6 +249,13 @@ def main() -> int:
     for phase, seconds in PLAN:
         start, end, steps = work.run(phase, seconds)
         segments.append({"phase": phase, "start_ns": start, "end_ns": end, "steps": steps})
+    for chunk in MIXED_CHUNKS if args.mixed else ():
+        work.chunk = min(chunk, work.x_prefill.shape[0])
+        p_ms, d_ms = work.gpu_ms(lambda: work.prefill(work.chunk)), work.gpu_ms(work.decode)
+        start, end, steps = work.run("mixed", 1.5)
+        segments.append({"phase": "mixed", "start_ns": start, "end_ns": end, "steps": steps,
+                         "chunk": work.chunk, "prefill_share": p_ms / (p_ms + d_ms)})
+        work.run("idle", 1.0)
     end_ns = time.monotonic_ns()
     poller.finish(end_ns)
     sampler.close()
