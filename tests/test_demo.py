@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import live, run_kvprof
+from tests.conftest import UNTRACED, live, run_kvprof
 
 
 @live
@@ -16,7 +16,12 @@ def test_demo_records_prefill_writes_and_decode_reads(tmp_path):
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     pre, dec = rep["phases"]["prefill"], rep["phases"]["decode"]
-    assert pre["block"]["write"]["bytes"] >= 32 << 20  # one round: 4 chunks of 8 MiB
+    # One round: 4 chunks of 8 MiB, in 1 MiB writes; short only by writes whose completion no
+    # probe could see (UNTRACED: CI once had 30 MiB, cause not printed then; it is now).
+    lost = rep["session"]["lost_by_reason"]
+    untraced = sum(lost.get(r, 0) for r in UNTRACED)
+    assert pre["block"]["write"]["bytes"] >= (32 << 20) - untraced * (1 << 20), \
+        (lost, {p: v["block"].get("write") for p, v in rep["phases"].items()})
     assert dec["block"]["read"]["ios"] > 0 and dec["block"]["read"]["size_hist"].keys() == {"4096"}
     assert dec["block"]["write"]["bytes"] < pre["block"]["write"]["bytes"]
     # every completion matched its issue (flush sequences included)
