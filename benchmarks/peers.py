@@ -139,8 +139,9 @@ def _fio(dev: str, job: list[str], runtime: int) -> tuple[float, int]:
                           f"--runtime={runtime}", "--size=128M", "--output-format=json", *job],
                          check=True, capture_output=True, text=True).stdout
     j = json.loads(out)["jobs"][0]
-    d = j["read"] if "--rw=randread" in job else j["write"]
-    return (d["iops"] if "--rw=randread" in job else d["bw_bytes"] / 1e6), d["total_ios"]
+    if "--rw=randread" in job:
+        return j["read"]["iops"], j["read"]["total_ios"]
+    return j["write"]["bw_bytes"] / 1e6, j["write"]["total_ios"]
 
 
 def _prog_stats() -> dict[int, tuple[str, int, int]]:

@@ -308,13 +308,18 @@ def start_recorder(tmp_path):
 # On the Firecracker test VMs a completion the kernel serves in a softirq on top of the VM
 # agent's threads (PID 1) runs no BPF program and counts no miss (ftrace's event fires; a few
 # in 10 000 requests under load, fewer idle; bpftrace loses them alike). diskstats counts them.
-# kvprof counts each as a loss of the event tier: when the
-# kernel starts that request again (NOT_SEEN; the exact tier counts it then,
-# as diskstats does), or, not started again by the stop, as held then (AT_STOP: counted by
-# neither tier).
+# kvprof counts each as a loss of the event tier: when the kernel starts that request again
+# (NOT_SEEN; the exact tier counts it then, as diskstats does), or, not started again by the
+# stop, as held then (AT_STOP: counted by neither tier).
 NOT_SEEN = "block_completion_not_seen"
 AT_STOP = "block_in_flight_at_stop"
 UNTRACED = (NOT_SEEN, AT_STOP)
+
+
+def lost_to(report: dict, reasons: str | tuple[str, ...] = UNTRACED) -> int:
+    """The events the report says were lost for `reasons` (all of them: UNTRACED)."""
+    by = report["session"]["lost_by_reason"]
+    return sum(by.get(r, 0) for r in ((reasons,) if isinstance(reasons, str) else reasons))
 
 
 def assert_kernel_count(ours: int, kernel: int, report: dict, each: int = 1,
@@ -324,10 +329,8 @@ def assert_kernel_count(ours: int, kernel: int, report: dict, each: int = 1,
     program ran on that CPU, which happens a few times per million events): of `reason`
     only, where the cause is known. `each`: what one lost request can carry (for bytes).
     Unaccounted differences fail."""
-    by = report["session"]["lost_by_reason"]
-    reasons = (reason,) if isinstance(reason, str) else reason
-    lost = sum(by.get(r, 0) for r in reasons) if reasons else report["session"]["lost_events"]
-    assert 0 <= kernel - ours <= lost * each, (ours, kernel, by)
+    lost = lost_to(report, reason) if reason else report["session"]["lost_events"]
+    assert 0 <= kernel - ours <= lost * each, (ours, kernel, report["session"]["lost_by_reason"])
 
 
 def assert_same_report(ours, ref, path: str = "") -> None:

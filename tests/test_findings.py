@@ -16,11 +16,11 @@ import pytest
 from kvprof.devices import by_number, queue_limits
 from tests.conftest import (
     KVPROF,
-    UNTRACED,
     direct_random_reads,
     direct_write,
     io_limit,
     live,
+    lost_to,
     run_kvprof,
 )
 
@@ -179,9 +179,8 @@ def test_writes_below_the_physical_block_of_a_512e_drive():
     got = found(report)
     f = got[("small-writes", "prefill")]
     # Nothing lost but a completion no probe could see (UNTRACED: the kernel ran none there).
-    lost = report["session"]["lost_by_reason"]
-    untraced = sum(lost.get(r, 0) for r in UNTRACED)
-    assert report["session"]["lost_events"] == untraced, lost
+    untraced = lost_to(report)
+    assert report["session"]["lost_events"] == untraced, report["session"]["lost_by_reason"]
     writes = report["phases"]["prefill"]["block"]["write"]
     assert writes["size_hist"].get("512", 0) >= 1000 - untraced, writes
     assert f["text"].endswith("write in 4K multiples")

@@ -9,11 +9,11 @@ import time
 
 from kvprof.markers import Marker
 from tests.conftest import (
-    UNTRACED,
     WRITE_IOS,
     WRITE_SECTORS,
     calls_near_edges,
     live,
+    lost_to,
     run_kvprof,
     settle,
     stat_delta,
@@ -92,7 +92,7 @@ def test_a_replay_on_the_same_kind_of_device_reproduces_each_phase(
     losses = {k: n for k, n in before["session"]["lost_by_reason"].items() if n}
     print(f"writes: recorded device {recorded[WRITE_IOS]}, candidate {d[WRITE_IOS]}; "
           f"the recording's losses {losses}")
-    assert 0 <= short <= sum(before["session"]["lost_by_reason"].get(r, 0) for r in UNTRACED)
+    assert 0 <= short <= lost_to(before)
     assert recorded[WRITE_SECTORS] - d[WRITE_SECTORS] == short * ((256 << 10) // 512)
     missed = before["session"]["lost_events"] + after["session"]["lost_events"]
     assert 0 <= result["requests"] - result["replayed"] <= after["session"]["lost_events"]

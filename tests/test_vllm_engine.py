@@ -21,7 +21,7 @@ import duckdb
 import pytest
 
 from kvprof.devices import by_number, queue_limits
-from tests.conftest import UNTRACED, live, require
+from tests.conftest import live, lost_to, require
 from tests.engine import vllm_server
 
 pytestmark = live
@@ -313,7 +313,7 @@ def test_pid_filter_beside_another_writer_loses_nothing(vllm, start_recorder):
     lost = report["session"]["lost_by_reason"]
     # None, but an engine's completion no probe could see (UNTRACED; the other process's
     # are not counted at all).
-    assert sum(n for r, n in lost.items() if r not in UNTRACED) == 0, lost
+    assert report["session"]["lost_events"] == lost_to(report), lost
     assert report["phases"]["prefill"]["windows"] >= 1
     print(f"-p {vllm.pid} beside a writer on {dev}: lost {lost}")
 

@@ -14,7 +14,6 @@ import pyarrow as pa
 
 from kvprof import schema
 from kvprof.markers import step_phase  # noqa: F401 - re-exported for sources
-from kvprof.phases.windows import phase_row  # noqa: F401 - re-exported for sources
 
 
 class PhaseSource:

@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from kvprof.phases.base import PhaseSource, phase_row
+from kvprof.phases.base import PhaseSource
+from kvprof.phases.windows import phase_row
 
 
 class ReplayedWindows(PhaseSource):

@@ -23,7 +23,8 @@ from typing import Any
 import msgpack
 import zmq
 
-from kvprof.phases.base import PhaseSource, phase_row, step_phase
+from kvprof.phases.base import PhaseSource, step_phase
+from kvprof.phases.windows import phase_row
 
 # How long one poll() waits for a message: bounds how long stop() takes.
 POLL_MS = 100
