@@ -21,7 +21,7 @@ import duckdb
 import pytest
 
 from kvprof.devices import by_number, queue_limits
-from tests.conftest import live, lost_to, require
+from tests.conftest import NOT_SEEN, assert_kernel_count, live, lost_to, require
 from tests.engine import vllm_server
 
 pytestmark = live
@@ -166,13 +166,17 @@ def _scrape_ops(port: int) -> dict[str, int]:
 def _exact_against_events(report: dict) -> dict:
     """Per phase, the exact section's block reads against the event tier's (every request,
     each by its own issue time): equal within the requests the exact section says were in
-    slots a window edge cut."""
+    slots a window edge cut, and but for completions no probe saw, which the exact tier counts
+    when the kernel starts that request again and no row has (NOT_SEEN; CI once saw 2 of
+    ~3 000)."""
     exact, edge = report["exact"]["phases"], report["exact"]["boundary"]
     figures = {p: (exact[p]["block"].get("read", {}).get("ios", 0),
                    report["phases"][p]["block"]["read"]["ios"]) for p in exact}
+    unseen = lost_to(report, NOT_SEEN)
     for p, (ex, ev) in figures.items():
-        assert abs(ex - ev) <= edge["ios"], (p, figures, edge)
-    assert sum(ex for ex, _ in figures.values()) == sum(ev for _, ev in figures.values())
+        assert abs(ex - ev) <= edge["ios"] + unseen, (p, figures, edge, unseen)
+    assert_kernel_count(sum(ev for _, ev in figures.values()),
+                        sum(ex for ex, _ in figures.values()), report, reason=NOT_SEEN)
     return figures
 
 
