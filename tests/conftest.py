@@ -95,7 +95,7 @@ def calibration_store(tmp_path, monkeypatch):
 
 
 def require(why: str | None) -> None:
-    """A part the test needs is missing (`why`): skip, saying so; under CI
+    """A part the test needs (vLLM, nbdkit) is missing (`why`): skip, saying so; under CI
     (KVPROF_REQUIRE_VLLM=1, which scripts/dev.sh sets there) fail instead."""
     if why is None:
         return
@@ -182,6 +182,29 @@ def private_loop(tmp_path, tag: str = ""):
 def loopdev(tmp_path):
     with private_loop(tmp_path) as dev:
         yield dev
+
+
+@pytest.fixture
+def slow_device(tmp_path):
+    """Makes devices with a latency of their own (tests/slow_device.py):
+    `slow_device(read_ms=2, write_ms=2, rate_bps=None)` -> SlowDevice; all removed after the
+    test, whatever happened. Skips in one line where nbdkit cannot run; CI fails instead."""
+    from tests import slow_device as slow
+
+    made: list[Path] = []
+
+    def make(read_ms: int = 2, write_ms: int = 2, rate_bps: int | None = None,
+             size: int = 2 << 30) -> slow.SlowDevice:
+        require(slow.unavailable())
+        where = tmp_path / f"slow-device-{len(made)}"
+        made.append(where)
+        return slow.up(where, read_ms, write_ms, rate_bps, size)
+
+    try:
+        yield make
+    finally:
+        for where in made:
+            slow.down(where)
 
 
 @pytest.fixture
