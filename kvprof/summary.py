@@ -66,6 +66,9 @@ class LayerOps(TypedDict):
 
 class DeviceIdle(TypedDict):
     time_idle_pct: float | None
+    # The mean number of requests in flight while the device was busy (Little's law: the
+    # phase's block requests' summed device time over its busy time); None without either.
+    inflight_mean: float | None
     capacity_idle_pct: NotRequired[float | None]
 
 
@@ -85,6 +88,7 @@ class Capacity(TypedDict):
 
 class BlockLayer(LayerOps):
     time_idle_pct: float | None
+    inflight_mean: float | None  # as DeviceIdle's, on all traced devices together
     devices: dict[str, DeviceIdle]
     capacity_idle_pct: float | None
     capacity: Capacity | None
@@ -169,6 +173,7 @@ class ExactOp(TypedDict):
 class ExactDevice(TypedDict):
     busy_s: float
     time_idle_pct: float | None
+    inflight_mean: float | None  # summed service time of its block requests over busy_s
 
 
 class ExactPhase(TypedDict):

@@ -140,3 +140,158 @@ def test_builder_rows_match_the_phase_schema():
     b = WindowBuilder()
     b.add(decode(b'{"v":1,"phase":"mixed","start_ns":1,"end_ns":9}'))
     assert b.take().schema == schema.PHASE
+
+
+# -- the mean number of requests in flight while busy (Little's law) ----------------------------
+
+def _sweep_busy(begin: list[int], end: list[int], pieces: list[tuple[int, int, str]]
+                ) -> dict[str, int]:
+    """Per phase, the ns with at least one [begin, end) interval open inside its pieces: a
+    plain sweep over every edge, apart from correlate's islands."""
+    edges = sorted({*begin, *end, *(a for a, _, _ in pieces), *(b for _, b, _ in pieces)})
+    opened: dict[int, int] = {}
+    for t in begin:
+        opened[t] = opened.get(t, 0) + 1
+    for t in end:
+        opened[t] = opened.get(t, 0) - 1
+    out: dict[str, int] = {}
+    n = 0
+    for a, b in zip(edges, edges[1:]):
+        n += opened.get(a, 0)
+        if n <= 0:
+            continue
+        for s, e, p in pieces:
+            if s <= a and b <= e:
+                out[p] = out.get(p, 0) + b - a
+    return out
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_inflight_mean_is_the_summed_device_time_over_the_busy_time(tmp_path, seed):
+    """Block requests of 1 to 6 readers at a time, each at QD1 (some through a scheduler's
+    queue, some on a second device), in the sample's phase windows: per phase and device, the
+    report's `inflight_mean` is the requests' summed issue-to-completion time (grouped by the
+    window holding their issue time, in DuckDB) over the time some request was in flight
+    (a sweep over every edge); SQL and the dashboard's row cache say the same."""
+    import shutil
+    from pathlib import Path
+
+    import duckdb
+
+    from kvprof.analysis.correlate import summarize
+    from kvprof.analysis.iocache import IoCache
+    from kvprof.analysis.rollup import Rollup
+    from kvprof.analysis.rowsource import LiveRows, SqlRows
+    from kvprof.store.session import open_replay, session_info
+    from tests.conftest import assert_same_report
+
+    shutil.copytree(Path(__file__).resolve().parent.parent / "samples" / "demo", tmp_path / "s")
+    db = tmp_path / "s" / "session.duckdb"
+    rng = np.random.default_rng(seed)
+    with duckdb.connect(str(db)) as con:
+        t0, t1 = con.execute("SELECT min(start_ns), max(end_ns) FROM phase").fetchone()
+        rows: dict[str, list] = {k: [] for k in ("insert_ns", "issue_ns", "complete_ns",
+                                                 "dev_name", "op", "bytes")}
+        # Stretches of 1..6 readers, each issuing its next request when the last completes.
+        t = t0 - 5_000_000
+        while t < t1:
+            stretch = int(rng.integers(2_000_000, 40_000_000))
+            for _ in range(int(rng.integers(1, 7))):
+                s = t + int(rng.integers(0, 500_000))
+                while s < t + stretch:
+                    queued = int(rng.integers(0, 30_000)) if rng.random() < 0.3 else 0
+                    d = int(rng.integers(100_000, 3_000_000))
+                    rows["insert_ns"].append(s if queued else 0)
+                    rows["issue_ns"].append(s + queued)
+                    rows["complete_ns"].append(s + queued + d)
+                    rows["dev_name"].append("loop1" if rng.random() < 0.2 else "loop0")
+                    rows["op"].append("read" if rng.random() < 0.7 else "write")
+                    rows["bytes"].append(256 << 10)
+                    s += queued + d + int(rng.integers(0, 50_000))
+            t += stretch + int(rng.integers(0, 30_000_000))
+        synthetic = pa.table(rows)
+        con.execute("DELETE FROM io WHERE layer = 'block'")
+        # Traced on both devices (a session traced on one holds no other's requests).
+        con.execute("UPDATE session SET devices = ?", [json.dumps(
+            [{"name": f"loop{m}", "major": 7, "minor": m} for m in (0, 1)])])
+        con.execute("""INSERT INTO io BY NAME
+                       SELECT 'block' AS layer, op, insert_ns, issue_ns, complete_ns, dev_name,
+                              bytes, 7::UINTEGER AS dev_major,
+                              right(dev_name, 1)::UINTEGER AS dev_minor,
+                              0::UBIGINT AS sector, 1::UINTEGER AS pid, 1::UINTEGER AS tgid,
+                              'reader' AS comm, 0 AS error FROM synthetic""")
+        issued = con.execute("""
+            SELECT coalesce(w.phase, 'idle'), io.dev_name, sum(complete_ns - issue_ns)
+            FROM io LEFT JOIN phase w ON io.issue_ns >= w.start_ns AND io.issue_ns < w.end_ns
+            WHERE io.layer = 'block' GROUP BY ALL""").fetchall()
+        windows = con.execute("SELECT start_ns, end_ns, phase FROM phase ORDER BY 1").fetchall()
+    con = open_replay(tmp_path / "s")
+    try:
+        info = session_info(con)
+        report = summarize(SqlRows(con))
+        live = Rollup(IoCache())
+        live.cache.refresh(con)
+        assert_same_report(summarize(LiveRows(SqlRows(con), live)), report)
+    finally:
+        con.close()
+    # The session's time in phase pieces: its windows, idle between them.
+    pieces, at = [], info.start_ns
+    for s, e, p in windows:
+        pieces += [(at, s, "idle"), (s, e, p)]
+        at = e
+    pieces.append((at, info.end_ns, "idle"))
+    begin = [i or s for i, s in zip(rows["insert_ns"], rows["issue_ns"])]
+    for dev in (None, "loop0", "loop1"):
+        mine = [k for k, d in enumerate(rows["dev_name"]) if dev in (None, d)]
+        busy = _sweep_busy([begin[k] for k in mine], [rows["complete_ns"][k] for k in mine],
+                           pieces)
+        for p in ("prefill", "decode", "idle"):
+            spent = sum(ns for q, d, ns in issued if q == p and dev in (None, d))
+            block = report["phases"][p]["block"]
+            got = block["inflight_mean"] if dev is None else \
+                block["devices"][dev]["inflight_mean"]
+            assert got == pytest.approx(spent / busy[p], rel=1e-12), (seed, dev, p)
+            if dev is None:
+                print(f"seed {seed} {p}: {spent / 1e9:.3f} s in the device over "
+                      f"{busy[p] / 1e9:.3f} s busy = {got:.3f} in flight")
+    # Stretches of up to six readers at a time: neither one at a time nor more than six.
+    assert 1.2 < report["phases"]["decode"]["block"]["inflight_mean"] < 6
+    assert report["phases"]["mixed"]["block"]["inflight_mean"] is None
+
+
+def test_inflight_mean_from_the_aggregate_tier_where_events_are_missing():
+    """The exact section's per device: its block requests' summed service time over its busy
+    time (io_uring's service time is not the device's); all devices together only for one
+    device, as time idle."""
+    from types import SimpleNamespace
+
+    from kvprof.analysis.correlate import _exact, _idle_from_exact
+    from kvprof.analysis.rowsource import AggRow, BusyRow, Pieces, ViewFilter
+
+    def agg(phase, layer, dev, service_ms):
+        hist = [0] * 40
+        hist[21] = 10
+        return AggRow(phase, layer, "read", 10, 10 << 18, 0, service_ms * 1_000_000, hist,
+                      hist, hist, False, dev)
+
+    rows = [agg("decode", "block", "sda", 300), agg("decode", "block", "sda", 100),
+            agg("decode", "io_uring", "sda", 900), agg("decode", "block", "sdb", 50),
+            agg("prefill", "block", "sda", 80)]
+    busy = [BusyRow("decode", "sda", 200_000_000), BusyRow("decode", "sdb", 50_000_000),
+            BusyRow("prefill", "sda", 80_000_000), BusyRow("idle", "sda", 10_000_000)]
+    source = SimpleNamespace(aggregate=lambda *a: (rows, busy))
+    info = SimpleNamespace(config={"aggregate": True, "aggregate_slot_ns": 4_000_000})
+    times = {p: 1.0 for p in schema.PHASES}
+    empty = np.empty(0, np.int64)
+    exact = _exact(source, times, Pieces(empty, empty, empty, 0, 1, 0, True), ViewFilter(),
+                   info)
+    devs = exact["phases"]["decode"]["devices"]
+    assert devs["sda"]["inflight_mean"] == pytest.approx(2.0)  # 400 ms over 200 ms
+    assert devs["sdb"]["inflight_mean"] == pytest.approx(1.0)
+    assert exact["phases"]["prefill"]["devices"]["sda"]["inflight_mean"] == pytest.approx(1.0)
+    # Busy with nothing issued in the phase: no figure.
+    assert exact["phases"]["idle"]["devices"]["sda"]["inflight_mean"] is None
+    idle = _idle_from_exact({p: (None, None, {}) for p in schema.PHASES}, exact)
+    assert idle["prefill"][:2] == (92.0, pytest.approx(1.0))
+    assert idle["decode"][:2] == (None, None)  # two devices: their union is unknown
+    assert idle["decode"][2]["sdb"] == {"time_idle_pct": 95.0, "inflight_mean": 1.0}

@@ -1,5 +1,7 @@
-"""Findings on sessions recorded from real runs on a loop device: the expected rules fire, and
-every figure a finding names equals the report's own value at that path."""
+"""Findings: the rules on summaries built by hand (from the sample's report), and on sessions
+recorded from real runs on a loop device or a device with a latency of its own (live): the
+expected rules fire, and every figure a finding names equals the report's own value at that
+path."""
 from __future__ import annotations
 
 import json
@@ -8,23 +10,32 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from kvprof.devices import by_number, queue_limits
+from kvprof.markers import Marker
+from kvprof.views.findings import findings
 from tests.conftest import (
+    IO_TICKS,
     KVPROF,
+    READ_IOS,
+    assert_kernel_count,
     direct_random_reads,
     direct_write,
     io_limit,
     live,
     lost_to,
+    read_stat,
     run_kvprof,
+    settle,
+    stat_delta,
 )
 
-pytestmark = live
+GOLDEN = Path(__file__).resolve().parent / "golden" / "report-demo.json"
 
 
 def fio(dev: str, *args: str, seconds: float) -> None:
@@ -63,6 +74,105 @@ def recorded(start_recorder, loopdev: str, steps) -> dict:
     return json.loads(r.stdout)
 
 
+# -- the rules, on summaries built by hand --------------------------------------------------------
+
+def by_hand(phase: str = "prefill", op: str = "read", *, size: int, idle: float | None,
+            depth: float | None, ios: int = 1000, time_s: float = 1.0, p50: float = 2300.0,
+            p99: float = 4100.0) -> dict:
+    """The sample's report with `phase`'s I/O replaced by `ios` block `op`s of `size` bytes
+    in `time_s`, the device `idle` % of it with `depth` requests in flight on average while
+    busy (None: the key left out, as in reports from before kvprof measured it)."""
+    r = json.loads(GOLDEN.read_text())
+    r.pop("findings")
+    ph = r["phases"][phase]
+    ph["time_s"] = time_s
+    for layer in ("block", "io_uring"):
+        for o in ("read", "write"):
+            ph[layer][o].update(ios=0, bytes=0, bandwidth_bytes_per_s=0.0, iops=0.0,
+                                size_hist={})
+    ph["block"][op].update(
+        ios=ios, bytes=ios * size, bandwidth_bytes_per_s=ios * size / time_s,
+        iops=ios / time_s, size_hist={str(size): ios},
+        latency_us={"p50": p50, "p90": p99, "p99": p99, "p999": p99})
+    ph["block"]["time_idle_pct"] = idle
+    if depth is None:
+        del ph["block"]["inflight_mean"]
+    else:
+        ph["block"]["inflight_mean"] = depth
+    return r
+
+
+def judged(summary: dict, phase: str = "prefill") -> dict:
+    """The phase's own finding, its figures checked against the summary."""
+    report = {**summary, "findings": [f.as_dict() for f in findings(summary)]}
+    return next(f for f in found(report).values() if f["phase"] == phase
+                and f["rule"] in ("latency-bound", "bandwidth-bound", "not-storage-bound",
+                                  "phase-io"))
+
+
+def test_large_requests_one_at_a_time_on_a_busy_device_are_latency_bound():
+    """256 KiB reads keep the device busy 95 % of the time, one at a time: each waits out
+    the device's latency, and the device would serve more side by side."""
+    f = judged(by_hand(size=256 << 10, idle=5.0, depth=1.02))
+    assert f["rule"] == "latency-bound"
+    assert f["text"] == (
+        "prefill reads are latency-bound: one request at a time in flight (1.0 on average "
+        "while the device was busy, 95 % of the phase), 256K requests at p50 = 2.3ms, "
+        "250.0 MiB/s; more in flight (parallel readers, a deeper queue) would raise the "
+        "bandwidth")
+    assert f["figures"]["phases.prefill.block.inflight_mean"] == 1.02
+    assert f["figures"]["phases.prefill.block.read.latency_us.p50"] == 2300.0
+    assert f["figures"]["phases.prefill.block.time_idle_pct"] == 5.0
+    # Writes: parallel writers.
+    f = judged(by_hand(op="write", size=1 << 20, idle=20.0, depth=1.0))
+    assert f["rule"] == "latency-bound" and "(parallel writers, a deeper queue)" in f["text"]
+
+
+def test_large_requests_four_at_a_time_on_a_busy_device_are_bandwidth_bound():
+    f = judged(by_hand(size=256 << 10, idle=5.0, depth=4.0))
+    assert f["rule"] == "bandwidth-bound"
+    assert f["text"] == ("prefill reads are bandwidth-bound at 250.0 MiB/s (256K requests, "
+                         "4.0 in flight on average, device busy 95 % of the phase)")
+    assert f["figures"]["phases.prefill.block.inflight_mean"] == 4.0
+
+
+@pytest.mark.parametrize("depth, rule", [(1.0, "latency-bound"), (1.49, "latency-bound"),
+                                         (1.5, "bandwidth-bound"), (32.0, "bandwidth-bound"),
+                                         (None, "bandwidth-bound")])
+def test_one_at_a_time_is_below_one_and_a_half_in_flight(depth, rule):
+    """Below 1.5 requests in flight on average while busy: one at a time. A report without
+    the figure (before kvprof measured it) keeps the rule by size and busy time alone."""
+    f = judged(by_hand(size=512 << 10, idle=10.0, depth=depth))
+    assert f["rule"] == rule
+    if depth is None:
+        assert f["text"] == ("prefill reads are bandwidth-bound at 500.0 MiB/s (512K "
+                             "requests, device busy 90 % of the phase)")
+        assert "phases.prefill.block.inflight_mean" not in f["figures"]
+
+
+def test_small_requests_say_how_many_were_in_flight():
+    # Mostly idle: latency-bound as before, with the depth where known.
+    f = judged(by_hand("decode", size=4096, idle=96.0, depth=1.03, p99=62.0), "decode")
+    assert f["text"] == ("decode reads are latency-bound at p99 = 62us while the device is "
+                         "96 % idle, 1.0 in flight on average while busy")
+    assert judged(by_hand("decode", size=4096, idle=96.0, depth=None, p99=62.0),
+                  "decode")["text"] == \
+        "decode reads are latency-bound at p99 = 62us while the device is 96 % idle"
+    # Busy, one at a time: latency-bound whatever the size.
+    f = judged(by_hand("decode", size=4096, idle=3.0, depth=1.0, p50=2200.0), "decode")
+    assert f["rule"] == "latency-bound" and "4K requests at p50 = 2.2ms" in f["text"]
+    # Busy, many at a time: described by its figures, as before.
+    assert judged(by_hand("decode", size=4096, idle=3.0, depth=8.0), "decode")["rule"] == \
+        "phase-io"
+
+
+def test_a_mostly_idle_device_is_not_what_limits_large_requests_at_any_depth():
+    for depth in (1.0, 4.0, None):
+        assert judged(by_hand(size=1 << 20, idle=90.0, depth=depth))["rule"] == \
+            "not-storage-bound"
+
+
+@live
 def test_write_heavy_prefill_with_an_idle_decode(loopdev, start_recorder):
     report = recorded(start_recorder, loopdev, [
         ("prefill", lambda: fio(loopdev, "--rw=write", "--bs=1M", "--iodepth=8",
@@ -76,6 +186,7 @@ def test_write_heavy_prefill_with_an_idle_decode(loopdev, start_recorder):
     assert ("no-io", "decode") in got
 
 
+@live
 def test_a_latency_bound_decode(loopdev, start_recorder):
     def decode():
         # One small read at a time with think time between: the device waits on the engine.
@@ -90,6 +201,7 @@ def test_a_latency_bound_decode(loopdev, start_recorder):
     assert ("decode-dominated", "decode") in got
 
 
+@live
 def test_a_throttled_device_is_not_what_limits_the_phase(loopdev, start_recorder):
     def prefill():
         with io_limit(loopdev, write_bps=32 << 20):
@@ -106,6 +218,7 @@ def test_a_throttled_device_is_not_what_limits_the_phase(loopdev, start_recorder
     assert ("bandwidth-bound", "prefill") not in got
 
 
+@live
 def test_mixed_steps_apart_or_split_by_token_share(loopdev, start_recorder):
     rec = start_recorder("-d", loopdev)
     run_kvprof("mark", "mixed", "--prefill-tokens", "300", "--decode-tokens", "100",
@@ -135,6 +248,7 @@ def test_mixed_steps_apart_or_split_by_token_share(loopdev, start_recorder):
     assert "mixed steps split into prefill and decode by token share" in text
 
 
+@live
 def test_writes_below_the_physical_block_of_a_512e_drive():
     """On the disk under /var/tmp when it is a "512e" drive (4 KiB physical, 512 B logical
     blocks, as this machine's virtio disk): O_DIRECT 512-byte writes into a file there."""
@@ -186,6 +300,7 @@ def test_writes_below_the_physical_block_of_a_512e_drive():
     assert f["text"].endswith("write in 4K multiples")
 
 
+@live
 def test_buffered_writes_written_back_in_the_next_phase(loopdev, start_recorder, ext4):
     rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "syscall")
     run_kvprof("mark", "prefill", "--socket", rec.socket)
@@ -203,3 +318,78 @@ def test_buffered_writes_written_back_in_the_next_phase(loopdev, start_recorder,
     assert wb["bytes"] >= 8 << 20 and wb["elsewhere_bytes"] == wb["bytes"], wb
     f = found(report)[("writeback-elsewhere", "prefill")]
     assert f["text"].startswith("100 % of prefill's buffered writes (8.0 MiB of 8.0 MiB)")
+
+
+READS_EACH = 300  # per reader, 256 KiB each at QD1: ~0.8 s at the device's 2 ms and FUSE's
+TIME_IN_QUEUE = 10  # /sys/block/DEV/stat: ms requests spent in flight, summed
+
+
+@live
+def test_one_reader_at_a_time_is_latency_bound_and_four_side_by_side_are_not(
+        slow_device, start_recorder):
+    """On a device whose every request waits 2 ms, 256 KiB O_DIRECT reads: one reader (QD1)
+    keeps it busy one request at a time, which is latency-bound, with ~1 in flight; four
+    readers (threads, each QD1) keep four in flight and reach about four times the
+    bandwidth: bandwidth-bound. The events' figure, the exact tier's and the kernel's own
+    (its summed time in flight over its busy time, /sys/block stat) agree."""
+    dev = slow_device(read_ms=2, write_ms=2)
+    rec = start_recorder("-d", dev.name, "--layer", "block")
+    marks = Marker(rec.socket)
+    size, span = 256 << 10, 1 << 30
+    kernel = {}
+    settle(dev.name)
+    for phase, readers in (("prefill", 1), ("decode", 4)):
+        threads = [threading.Thread(target=direct_random_reads,
+                                    args=(dev.name, READS_EACH, span, size, 11 + i))
+                   for i in range(readers)]
+        s0 = read_stat(dev.name)
+        assert marks.mark(phase)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert marks.mark("idle")
+        kernel[phase] = stat_delta(s0, read_stat(dev.name))
+        time.sleep(0.2)
+    assert rec.stop() == 0
+    report = rec.report()
+    got = found(report)
+    depth = {}
+    for phase, readers in (("prefill", 1), ("decode", 4)):
+        ph = report["phases"][phase]
+        block, k = ph["block"], kernel[phase]
+        ex = report["exact"]["phases"][phase]["devices"][dev.name]
+        depth[phase] = block["inflight_mean"]
+        by_kernel = k[TIME_IN_QUEUE] / k[IO_TICKS]
+        rd = block["read"]
+        print(f"{phase}: {readers} reader(s), {rd['ios']} reads of 256 KiB in "
+              f"{ph['time_s']:.2f} s, {rd['bandwidth_bytes_per_s'] / 1e6:.0f} MB/s, p50 "
+              f"{rd['latency_us']['p50']:.0f} us, idle {block['time_idle_pct']:.1f} %; in "
+              f"flight while busy: events {block['inflight_mean']:.3f}, exact "
+              f"{ex['inflight_mean']:.3f}, kernel {by_kernel:.3f} ({k[TIME_IN_QUEUE]} ms "
+              f"over {k[IO_TICKS]} ms busy)")
+        assert_kernel_count(rd["ios"], k[READ_IOS], report)
+        assert k[READ_IOS] == readers * READS_EACH
+        assert block["devices"][dev.name]["inflight_mean"] == block["inflight_mean"]
+        # The aggregate tier counts the same requests' service and busy time in the kernel.
+        assert ex["inflight_mean"] == pytest.approx(block["inflight_mean"], rel=0.05)
+        # The kernel's own counters (whole ms) say the same.
+        assert by_kernel == pytest.approx(block["inflight_mean"], rel=0.10)
+        assert block["time_idle_pct"] < 50  # the device is kept busy either way
+    assert 0.95 <= depth["prefill"] < 1.2
+    # Four readers: four in flight, less what the gaps between each reader's reads and the
+    # readers' start and end leave.
+    assert 3.3 <= depth["decode"] <= 4.05
+    one = got[("latency-bound", "prefill")]
+    assert one["text"].startswith(
+        f"prefill reads are latency-bound: one request at a time in flight "
+        f"({depth['prefill']:.1f} on average while the device was busy")
+    assert "256K requests at p50 = " in one["text"]
+    assert one["text"].endswith("more in flight (parallel readers, a deeper queue) would "
+                                "raise the bandwidth")
+    four = got[("bandwidth-bound", "decode")]
+    assert f"(256K requests, {depth['decode']:.1f} in flight on average" in four["text"]
+    # And more in flight did raise the bandwidth several-fold.
+    bw = {p: report["phases"][p]["block"]["read"]["bandwidth_bytes_per_s"]
+          for p in ("prefill", "decode")}
+    assert bw["decode"] >= 2.5 * bw["prefill"], bw

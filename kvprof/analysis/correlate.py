@@ -4,7 +4,8 @@ An I/O belongs to the window that contains its issue time; time covered by no wi
 `idle`. Overlapping windows are flattened first (`fold.flatten`, the one rule the aggregate
 tier is folded by too): the more exact source wins, and among equals the later-starting
 window. A phase's idle time is its time with no block request in flight,
-also counting requests issued before the window began.
+also counting requests issued before the window began; the mean number in flight while busy
+(`inflight_mean`, Little's law) is its requests' summed device time over the rest.
 
 The rows come from a `RowSource` (kvprof/analysis/rowsource.py): SQL over the store (the report,
 exports, any view of a recorded session), or the live dashboard's row cache and its rollup.
@@ -28,6 +29,7 @@ from kvprof.analysis.intervals import busy_between
 from kvprof.analysis.rollup import GRID_NS
 from kvprof.analysis.rowsource import (
     CacheRow,
+    DeviceTimeOf,
     GpuMeans,
     IslandsOf,
     Pieces,
@@ -51,6 +53,7 @@ from kvprof.summary import (
     DeviceLayer,
     Engine,
     Exact,
+    ExactDevice,
     GdsLayer,
     LayerOps,
     MainOp,
@@ -111,6 +114,15 @@ def idle_pct(busy_s: float, time_s: float) -> float | None:
     """Time idle %: the share of the phase's time with no request in flight (None: the
     phase never ran). The report, the fleet and the Prometheus endpoint all use this."""
     return max(0.0, 100.0 * (1 - busy_s / time_s)) if time_s > 0 else None
+
+
+def inflight_mean(device_ns: float, busy_ns: float) -> float | None:
+    """The mean number of requests in flight while the device was busy, by Little's law: the
+    phase's block requests' summed device time (issue to completion) over its busy time
+    (time with at least one request in flight). About 1: one request at a time, each
+    waiting out the device's latency; more: requests overlapping in the device. None
+    without either (no request, or none in flight in the phase's time)."""
+    return device_ns / busy_ns if device_ns > 0 and busy_ns > 0 else None
 
 
 def _op_entry(bytes_: int, ios: int, time_s: float) -> OpStats:
@@ -179,7 +191,8 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
                     info.start_ns, whole)
     got = rows.per_phase(pieces, view)
     ops = _layer_ops(got.stats, times)
-    idle = _idle(ws, we, wp, [d["name"] for d in info.devices] or got.devices, got.islands_of)
+    idle = _idle(ws, we, wp, [d["name"] for d in info.devices] or got.devices, got.islands_of,
+                 got.device_time_of)
     # The per-cache query only where the view has file syscalls at all (most sessions and
     # views have none, and the dashboard asks every frame).
     files = any(r.layer == "syscall" and r.op in MAIN_OPS for r in got.stats)
@@ -211,7 +224,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
     phases: dict[str, PhaseStats] = {}
     for p in schema.PHASES:
         cap = capacity[p]
-        block_idle, devices = idle[p]
+        block_idle, inflight, devices = idle[p]
         if cap is not None and len(devices) == 1:
             devices = {d: {**v, "capacity_idle_pct": cap[1]} for d, v in devices.items()}
         # A layer is its operations (read and write always: _layer_ops) and its own figures.
@@ -221,7 +234,8 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             "time_share_pct": 100.0 * times[p] / total_s if total_s > 0 else 0.0,
             "windows": int((wp == p).sum()),
             "block": cast(BlockLayer, {
-                **layer["block"], "time_idle_pct": block_idle, "devices": devices,
+                **layer["block"], "time_idle_pct": block_idle, "inflight_mean": inflight,
+                "devices": devices,
                 "capacity_idle_pct": None if cap is None else cap[1],
                 "capacity": None if cap is None else cap[0]}),
             "io_uring": cast(LayerOps, layer["io_uring"]),
@@ -338,8 +352,11 @@ def _exact(rows: RowSource, times: dict[str, float], pieces: Pieces, view: ViewF
         "phases": {p: {**{layer: {} for layer in schema.DEVICE_LAYERS}, "devices": {}}
                    for p in schema.PHASES}, "totals": {}}
     sums: dict[tuple[str, str, str], list[Any]] = {}
+    served: dict[tuple[str, str], int] = {}  # (phase, device) -> block requests' service ns
     edge: dict[str, int] | None = None
     for a in agg:
+        if a.layer == "block":
+            served[(a.phase, a.device)] = served.get((a.phase, a.device), 0) + int(a.service_ns)
         if a.cut is not None:
             edge = edge or {q: 0 for q in schema.PHASES}
             edge[a.phase] += int(a.ios) if a.cut else 0
@@ -369,9 +386,11 @@ def _exact(rows: RowSource, times: dict[str, float], pieces: Pieces, view: ViewF
         tot["ios"] += ios
         tot["bytes"] += nbytes
     for b in busy:
-        out["phases"][b.phase]["devices"][b.device] = {
+        dev: ExactDevice = {
             "busy_s": int(b.busy_ns) / 1e9,
-            "time_idle_pct": idle_pct(int(b.busy_ns) / 1e9, times[b.phase])}
+            "time_idle_pct": idle_pct(int(b.busy_ns) / 1e9, times[b.phase]),
+            "inflight_mean": inflight_mean(served.get((b.phase, b.device), 0), int(b.busy_ns))}
+        out["phases"][b.phase]["devices"][b.device] = dev
     if edge is None:  # recorded before schema 15
         out["phase_rule"] = ("phase kvprof had been told by marks when the request was "
                              "issued; whole seconds")
@@ -417,25 +436,28 @@ def _ops_from_exact(ops: LayerOpsByPhase, exact: Exact, times: dict[str, float],
     return out
 
 
-# phase -> (time idle % on all traced devices together, per device)
-IdleByPhase = dict[str, tuple[float | None, dict[str, DeviceIdle]]]
+# phase -> (time idle % on all traced devices together, the mean requests in flight while
+# they were busy, per device)
+IdleByPhase = dict[str, tuple[float | None, float | None, dict[str, DeviceIdle]]]
 
 
 def _idle_from_exact(idle: IdleByPhase, exact: Exact) -> IdleByPhase:
-    """Idle from the aggregate tier's busy time, per device; all devices together (the
-    union of their busy time) is known only for one device."""
+    """Idle and the mean requests in flight from the aggregate tier's busy time and summed
+    service time, per device; all devices together (the union of their busy time) is known
+    only for one device."""
     out: IdleByPhase = {}
     for p in schema.PHASES:
-        overall, devices = idle[p]
+        overall, inflight, devices = idle[p]
         devices = {d: DeviceIdle(**v) for d, v in devices.items()}  # (copies)
         for dev, d in exact["phases"][p]["devices"].items():
-            devices.setdefault(dev, {"time_idle_pct": None})["time_idle_pct"] = \
-                d["time_idle_pct"]
+            got = devices.setdefault(dev, {"time_idle_pct": None, "inflight_mean": None})
+            got["time_idle_pct"], got["inflight_mean"] = d["time_idle_pct"], d["inflight_mean"]
         if len(devices) == 1:
-            overall = next(iter(devices.values()))["time_idle_pct"]
+            one = next(iter(devices.values()))
+            overall, inflight = one["time_idle_pct"], one["inflight_mean"]
         elif len(devices) > 1:
-            overall = None
-        out[p] = (overall, devices)
+            overall = inflight = None
+        out[p] = (overall, inflight, devices)
     return out
 
 
@@ -606,22 +628,28 @@ def _hit_pct(app_bytes: int, device_bytes: int) -> float | None:
 
 
 def _idle(ws: np.ndarray, we: np.ndarray, wp: np.ndarray, devices: list[str],
-          islands_of: IslandsOf) -> IdleByPhase:
-    """Per phase, the share of its time with no block request in flight: on all traced
-    devices together and per device. In flight = from insert (or issue, when the request
-    skipped the queue) to completion, the span the kernel's io_ticks also covers."""
-    def idle_of(device: str | None) -> dict[str, float | None]:
+          islands_of: IslandsOf, device_time_of: DeviceTimeOf) -> IdleByPhase:
+    """Per phase, the share of its time with no block request in flight, and the mean
+    number in flight while there was one (`inflight_mean`: its requests' summed device time
+    over that busy time): on all traced devices together and per device. In flight = from
+    insert (or issue, when the request skipped the queue) to completion, the span the
+    kernel's io_ticks also covers."""
+    def idle_of(device: str | None) -> dict[str, tuple[float | None, float | None]]:
         isl_s, isl_e = islands_of(device)
         busy = busy_between(isl_s, isl_e, ws, we)
+        spent = device_time_of(device)
         out = {}
         for p in schema.PHASES:
             sel = wp == p
-            out[p] = idle_pct(float(busy[sel].sum()) / NS, float((we[sel] - ws[sel]).sum()) / NS)
+            busy_ns = float(busy[sel].sum())
+            out[p] = (idle_pct(busy_ns / NS, float((we[sel] - ws[sel]).sum()) / NS),
+                      inflight_mean(spent.get(p, 0), busy_ns))
         return out
 
     overall = idle_of(None)
     per_dev = {d: idle_of(d) for d in devices}
-    return {p: (overall[p], {d: {"time_idle_pct": per_dev[d][p]} for d in devices})
+    return {p: (*overall[p], {d: {"time_idle_pct": per_dev[d][p][0],
+                                  "inflight_mean": per_dev[d][p][1]} for d in devices})
             for p in schema.PHASES}
 
 

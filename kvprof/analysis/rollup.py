@@ -72,6 +72,7 @@ class Unit:
     bounds: tuple[np.ndarray, ...]
     procs: np.ndarray  # rows per process code
     devs: np.ndarray   # rows per device code + 1 (0: no device)
+    block_ns: np.ndarray  # the block rows' summed device time (ns) per device code + 1
 
 
 def _build(r: Rows, start: int, end: int, phase: str, cell: int, seen: int) -> Unit:
@@ -96,9 +97,12 @@ def _build(r: Rows, start: int, end: int, phase: str, cell: int, seen: int) -> U
             np.empty(0, np.int64)
         keys.append(key[first])
         bounds.append(np.r_[first, len(key)].astype(np.int32))
+    dev = r.dev.astype(np.int64) + 1
+    # Float weights are exact below 2**53 ns (104 days) of device time a second.
+    block_ns = np.bincount(dev, weights=np.where(r.layer == BLOCK, np.maximum(
+        r.complete - r.issue, 0), 0)).astype(np.int64)
     return Unit(start, end, phase, cell, seen, ios, nbytes, size_h, lat_h, tuple(values),
-                tuple(keys), tuple(bounds), np.bincount(r.proc),
-                np.bincount(r.dev.astype(np.int64) + 1))
+                tuple(keys), tuple(bounds), np.bincount(r.proc), np.bincount(dev), block_ns)
 
 
 assert NGROUPS * NFINE <= 1 << 16, "(group, bucket) keys must fit 16 bits"
@@ -230,6 +234,20 @@ def stats(units: list[Unit]) -> list[tuple]:
             out.append((p, schema.LAYERS[layer], schema.OPS[op], n,
                         int(sum(int(u.bytes[g]) for u in mine)),
                         *(r.quantiles_us(g, n) for r in runs), *hists))
+    return out
+
+
+def device_time(units: list[Unit], code: int | None = None) -> dict[str, int]:
+    """Phase -> the block rows' summed device time (ns), of the device with that code in
+    the dev column or of all (None): what `rowsource.PerPhase.device_time_of` answers."""
+    out: dict[str, int] = {}
+    for u in units:
+        if code is None:
+            ns = int(u.block_ns.sum())
+        else:
+            ns = int(u.block_ns[code + 1]) if 0 <= code + 1 < len(u.block_ns) else 0
+        if ns:
+            out[u.phase] = out.get(u.phase, 0) + ns
     return out
 
 

@@ -4,8 +4,9 @@ Correlate asks the same few questions of either, over phase pieces (disjoint [st
 spans, each with its phase, from `fold.flatten`), a time range and a view filter:
 
 - `per_phase`: per (phase, layer, op) counts, bytes, exact quantiles of total, queue and
-  device time, log2 histograms of size and latency; the busy islands idle time is read from;
-  the devices the rows went to;
+  device time, log2 histograms of size and latency; the busy islands idle time is read from,
+  and the block requests' summed device time per phase (with the islands, the mean number
+  in flight while busy); the devices the rows went to;
 - `over_time`: bytes per (phase, layer, op) and grid second, bytes per layer and timeline
   bin, I/O of the last second, the window's devices and busiest processes;
 - `gpu`: means of the GPU samples in a range;
@@ -52,6 +53,9 @@ Interrupted = duckdb.InterruptException
 
 Islands = tuple[np.ndarray, np.ndarray]
 IslandsOf = Callable[[str | None], Islands]
+# phase -> the summed device time (issue to completion, ns) of the block requests issued in
+# it, of one device or of all (None)
+DeviceTimeOf = Callable[[str | None], dict[str, int]]
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,7 @@ class AggRow(NamedTuple):
     queue_hist: list[int]
     service_hist: list[int]
     cut: bool | None  # its issue slot cut by a window edge; None before schema 15
+    device: str
 
 
 class BusyRow(NamedTuple):
@@ -162,6 +167,9 @@ class PerPhase:
     stats: list[StatRow]
     islands_of: IslandsOf  # busy islands of all traced devices (None) or of one
     devices: list[str]     # devices the view's block rows went to
+    # Beside the islands, what requests in flight while they last add up to (Little's law:
+    # the mean number in flight while busy is this over the busy time).
+    device_time_of: DeviceTimeOf
 
 
 @dataclass(frozen=True)
@@ -240,8 +248,8 @@ class RowSource:
                   ) -> tuple[list[AggRow], list[BusyRow]] | None:
         """The aggregate tier's seconds in [t0, t1) (all of them for the whole session):
         (phase, layer, op, ios, bytes, queue ns, service ns, size, queue and service log2
-        histograms) and per device (phase, device, busy ns); None for a session recorded
-        without it."""
+        histograms, cut, device) and per device (phase, device, busy ns); None for a session
+        recorded without it."""
         raise NotImplementedError
 
     def engine_counters(self, t0: int, t1: int) -> list[tuple[str, str, float]]:
@@ -409,7 +417,7 @@ class SqlRows(RowSource):
             try:
                 agg = self.cur.execute(f"""
                     SELECT phase, layer, op, ios, bytes, queue_ns, service_ns, size_hist,
-                           queue_hist, service_hist, {edge} FROM {agg_t} {where}""",
+                           queue_hist, service_hist, {edge}, dev_name FROM {agg_t} {where}""",
                                        params).fetchall()
                 busy = self.cur.execute(f"""
                     SELECT phase, dev_name, sum(busy_ns)::UBIGINT FROM {busy_t} {where}
@@ -499,7 +507,7 @@ class SqlRows(RowSource):
         every = pool.submit(self._fetch_islands, side, pieces.t0, pieces.t1, view, None)
         try:
             stats = self._stats(pieces, cond, params)
-            if any(0 < queued < ios for _, layer, _, ios, _, _, _, _, queued, _ in stats
+            if any(0 < queued < ios for _, layer, _, ios, _, _, _, _, queued, _, _ in stats
                    if layer == "block"):
                 stats = self._stats(pieces, cond, params, every_block_row=True)
         except BaseException:
@@ -507,8 +515,11 @@ class SqlRows(RowSource):
             wait_for([every])
             raise
         rows = []
-        for phase, layer, op, ios, nbytes, total_ns, queue_ns, device_ns, queued, joint \
-                in stats:
+        block_ns: dict[str, int] = {}  # phase -> the block requests' summed device time
+        for phase, layer, op, ios, nbytes, total_ns, queue_ns, device_ns, queued, joint, \
+                summed in stats:
+            if layer == "block":
+                block_ns[phase] = block_ns.get(phase, 0) + int(summed or 0)
             total = [v / 1e3 for v in total_ns]
             if layer == "block" and queued:
                 queue, device = [v / 1e3 for v in queue_ns], [v / 1e3 for v in device_ns]
@@ -516,9 +527,29 @@ class SqlRows(RowSource):
                 queue, device = [0.0] * len(total), total
             rows.append(StatRow(phase, layer, op, ios, nbytes, total, queue, device,
                                 *_split_hist(joint)))
-        islands_of, present = self._islands(pieces.t0, pieces.t1, view, pieces.whole,
-                                            any(r.layer == "block" for r in rows), every)
-        return PerPhase(rows, islands_of, present)
+        islands_of, present, names = self._islands(pieces.t0, pieces.t1, view, pieces.whole,
+                                                   any(r.layer == "block" for r in rows),
+                                                   every)
+
+        @functools.cache
+        def by_device() -> dict[str, dict[str, int]]:
+            # (asked only where the view's block requests went to several devices)
+            out: dict[str, dict[str, int]] = {}
+            for phase, dev, summed in self._joined(pieces, f"""
+                    SELECT w.w_phase, io.dev_name, sum(greatest(io.complete_ns - io.issue_ns,
+                                                                0))::BIGINT
+                    FROM (SELECT issue_ns, complete_ns, dev_name FROM io
+                          WHERE {_and("layer = 'block'", cond)}) io
+                    ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start
+                    GROUP BY ALL""", params):
+                out.setdefault(dev, {})[phase] = int(summed or 0)
+            return out
+
+        def device_time_of(device: str | None) -> dict[str, int]:
+            if device is None or names == [device]:
+                return block_ns
+            return by_device().get(device, {})
+        return PerPhase(rows, islands_of, present, device_time_of)
 
     def _stats(self, pieces: Pieces, cond: str, params: list,
                every_block_row: bool = False) -> list[tuple]:
@@ -553,7 +584,10 @@ class SqlRows(RowSource):
                        -- a flush has none, and the exact tier's slot 0 is left out too).
                        histogram(((CASE WHEN bytes > 0 THEN floor(log2(bytes))
                                    ELSE {_SIZELESS} END) * 256
-                                  + floor(log2(greatest(total_ns / 1e3, 1))))::USMALLINT)
+                                  + floor(log2(greatest(total_ns / 1e3, 1))))::USMALLINT),
+                       -- What the requests' time in the device adds up to (block: the
+                       -- mean number in flight while busy, with the busy islands).
+                       sum(greatest(device_ns, 0))::BIGINT
                 FROM io GROUP BY code, layer, op)""", params)
 
     def weighted_quantiles(self, pieces: Pieces, view: ViewFilter
@@ -736,9 +770,10 @@ class SqlRows(RowSource):
 
     def _islands(self, t0: int, t1: int, view: ViewFilter, whole: bool, any_block: bool,
                  every: Future[Islands]):
-        """Busy islands per device (`every`: those of all devices, being fetched) and the
-        devices the window's block requests went to. `any_block`: the view has block
-        requests."""
+        """Busy islands per device (`every`: those of all devices, being fetched), the
+        devices the window's block requests went to, and the devices of the view's block
+        requests in flight in it (one: its islands are all the view's). `any_block`: the view
+        has block requests."""
         cond, params = _where(view)
         where = _and("layer = 'block'", "complete_ns > ?", f"{_BEGIN} < ?", cond)
         args = [int(t0), int(t1), *params]
@@ -767,7 +802,7 @@ class SqlRows(RowSource):
         def islands_of(device: str | None) -> Islands:
             # (one device's rows are all the rows: computed once)
             return islands(None if names == [device] else device)
-        return islands_of, present
+        return islands_of, present, names
 
     def over_time(self, pieces: Pieces, view: ViewFilter, c0: int, ncells: int,
                   edges: np.ndarray) -> OverTime:
@@ -901,8 +936,12 @@ class LiveRows(RowSource):
         units = self.live.units(pieces.start, pieces.end, pieces.phase, pieces.origin,
                                 view.device, view.tgid, unbounded=pieces.whole)
         islands_of = self._islands(view)
+
+        def device_time_of(device: str | None) -> dict[str, int]:
+            return rollup.device_time(units, None if device is None
+                                      else self.cache.device_code(device))
         return PerPhase(named(StatRow, rollup.stats(units)), islands_of,
-                        rollup.devices(units, self.cache))
+                        rollup.devices(units, self.cache), device_time_of)
 
     def _islands(self, view: ViewFilter) -> IslandsOf:
         """The cache's maintained islands, or for a process filter the process's block rows

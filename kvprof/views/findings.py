@@ -5,10 +5,15 @@ the same thing. Each finding names the rule it comes from and the report figures
 (`figures`: JSON paths into the report and their values), so a reader can check it. The
 rules (README, "Findings"):
 
-- per phase: large requests with the device busy most of the time are **bandwidth-bound**;
-  large requests with the device mostly idle are **not storage-bound** (something above the
-  device paces them); small requests with the device mostly idle are **latency-bound** (more
-  bandwidth would not help, lower latency would); anything else is described by its figures;
+- per phase: a device busy most of the time with about one request in flight while busy
+  (`block.inflight_mean` below 1.5) is kept busy by one request at a time, each waiting out
+  the device's latency: **latency-bound** whatever the request size (more requests in
+  flight, from parallel readers or writers or a deeper queue, would raise the bandwidth);
+  large requests with the device busy most of the time and more in flight are
+  **bandwidth-bound**; large requests with the device mostly idle are **not storage-bound**
+  (something above the device paces them); small requests with the device mostly idle are
+  **latency-bound** (more bandwidth would not help, lower latency would); anything else is
+  described by its figures;
 - **sized for one phase**: one phase keeps the device busy (or uses most of its calibrated
   capacity) while another phase, taking a real share of the time, leaves it mostly idle;
 - **time split**: which phase the time goes to, and what that says about the workload
@@ -33,6 +38,9 @@ LARGE_BYTES = 128 << 10
 SMALL_BYTES = 64 << 10
 # Device busier than this (idle below 100 - BUSY_PCT) during the phase: it is the limit.
 BUSY_PCT = 50.0
+# Fewer requests than this in flight on average while the device was busy: one at a time
+# (two overlapping requests for a quarter of the busy time make 1.25; halves, 1.5).
+ONE_AT_A_TIME = 1.5
 # Sized for one phase: the other phase leaves at least this much idle, over at least
 # OTHER_SHARE_PCT of the session's time.
 IDLE_PCT = 80.0
@@ -83,9 +91,13 @@ def _phase(phase: str, ph: PhaseStats) -> Finding | None:
     at = f"{base}.{layer}.{op}"
     idle = ph["block"].get("time_idle_pct")
     cap = ph["block"].get("capacity_idle_pct")
+    # (reports before kvprof measured it have no such key)
+    depth = ph["block"].get("inflight_mean")
     figures = {f"{at}.bytes": e["bytes"], f"{at}.ios": e["ios"],
                f"{at}.bandwidth_bytes_per_s": e["bandwidth_bytes_per_s"],
                f"{base}.block.time_idle_pct": idle}
+    if depth is not None:
+        figures[f"{base}.block.inflight_mean"] = depth
     mean_size = e["bytes"] / e["ios"]
     # The most common request size names the pattern better than the mean of a mix.
     common = max(e["size_hist"].items(), key=lambda kv: kv[1], default=(mean_size, 0))[0]
@@ -104,19 +116,36 @@ def _phase(phase: str, ph: PhaseStats) -> Finding | None:
     if cap is not None:
         cap_txt = f", {cap:.0f} % of its calibrated capacity unused"
         figures[f"{base}.block.capacity_idle_pct"] = cap
-    if idle is not None and mean_size >= LARGE_BYTES and 100 - idle >= BUSY_PCT:
+    used = None if idle is None else 100 - idle  # % of the phase the device was busy
+    busy = used is not None and used >= BUSY_PCT
+    if used is not None and busy and depth is not None and depth < ONE_AT_A_TIME:
+        # Busy, but by one request at a time: each waits out the device's latency, and the
+        # device could serve more side by side (its bandwidth is not what was reached).
+        p50 = e["latency_us"]["p50"]
+        lat_txt = p99_txt if p50 is None else f"p50 = {human_us(p50)}"
+        if p50 is not None:
+            figures[f"{at}.latency_us.p50"] = p50
+        more = "readers" if op == "read" else "writers" if op == "write" else "submitters"
+        return Finding("latency-bound", phase, (
+            f"{noun} are latency-bound: one request at a time in flight ({depth:.1f} on "
+            f"average while the device was busy, {used:.0f} % of the phase), {size} "
+            f"requests at {lat_txt}, {bw}{cap_txt}; more in flight (parallel {more}, a "
+            "deeper queue) would raise the bandwidth"), figures)
+    depth_txt = "" if depth is None else f"{depth:.1f} in flight on average, "
+    if used is not None and busy and mean_size >= LARGE_BYTES:
         return Finding("bandwidth-bound", phase,
-                       f"{noun} are bandwidth-bound at {bw} ({size} requests, "
-                       f"device busy {100 - idle:.0f} % of the phase{cap_txt})", figures)
+                       f"{noun} are bandwidth-bound at {bw} ({size} requests, {depth_txt}"
+                       f"device busy {used:.0f} % of the phase{cap_txt})", figures)
     if idle is not None and mean_size >= LARGE_BYTES and idle >= IDLE_PCT and \
             (cap is None or cap >= IDLE_PCT):
         return Finding("not-storage-bound", phase, (
             f"{noun}: {bw} in {size} requests while the device is {idle:.0f} % idle"
             f"{cap_txt}: storage is not what limits them (a cgroup I/O limit, too few "
             "writers or readers, or the engine's own pace is)"), figures)
-    if mean_size < SMALL_BYTES and (idle is None or 100 - idle < BUSY_PCT):
-        return Finding("latency-bound", phase,
-                       f"{noun} are latency-bound at {p99_txt}{idle_txt}{cap_txt}", figures)
+    if mean_size < SMALL_BYTES and not busy:
+        depth_txt = "" if depth is None else f", {depth:.1f} in flight on average while busy"
+        return Finding("latency-bound", phase, f"{noun} are latency-bound at {p99_txt}"
+                                               f"{idle_txt}{depth_txt}{cap_txt}", figures)
     figures[f"{at}.iops"] = e["iops"]
     return Finding("phase-io", phase, f"{noun}: {bw} in {size} requests, {e['iops']:.0f} IOPS, "
                                       f"{p99_txt}{idle_txt}{cap_txt}", figures)

@@ -94,14 +94,15 @@ def _phase_table(page: _Page, summary: Summary) -> None:
             continue
         layer = phase_layer(ph)
         cells = [p, f"{ph['time_s']:.2f} s", f"{ph['time_share_pct']:.1f} %",
-                 _pct(ph["block"]["time_idle_pct"]), _pct(ph["block"]["capacity_idle_pct"])]
+                 _pct(ph["block"]["time_idle_pct"]), _pct(ph["block"]["capacity_idle_pct"]),
+                 "-" if (depth := ph["block"].get("inflight_mean")) is None else f"{depth:.2f}"]
         for op in MAIN_OPS:
             e = ph[layer][op]
             cells += [f"{human_bytes(e['bandwidth_bytes_per_s'])}/s", f"{e['iops']:,.0f}",
                       human_us(e["latency_us"]["p99"])]
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
-    head = ["phase", "time", "share", "time idle", "capacity idle", "read bw", "read IOPS",
-            "read p99", "write bw", "write IOPS", "write p99"]
+    head = ["phase", "time", "share", "time idle", "capacity idle", "in flight", "read bw",
+            "read IOPS", "read p99", "write bw", "write IOPS", "write p99"]
     page.add("<h2>Phases</h2><table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
              + "".join(rows) + "</table>")
     engine = engine_parts(summary.get("engine"))

@@ -31,6 +31,18 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f} %"
 
 
+def _depth(v: float | None) -> str:
+    """The mean requests in flight while busy (reports before it have none)."""
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _idle_and_depth(devices: dict) -> str:
+    """Per device: time idle and, where known, the mean requests in flight while busy."""
+    return "  ".join(f"{d} {_pct(v['time_idle_pct'])}" + (
+        "" if v.get("inflight_mean") is None else f" ({_depth(v['inflight_mean'])})")
+        for d, v in devices.items())
+
+
 def to_text(summary: Summary, name: str = "") -> str:
     s = summary["session"]
     start = datetime.fromtimestamp(s["start_wall_ns"] / 1e9, timezone.utc).strftime(
@@ -42,7 +54,8 @@ def to_text(summary: Summary, name: str = "") -> str:
         f"lost events: {s['lost_events']}"
         + (f"  status: {_status(s['status'])}" if s["status"] != "complete" else ""),
         "",
-        f"{'phase':<9}{'time':>10}{'share':>9}{'time idle':>12}{'capacity idle':>15}",
+        f"{'phase':<9}{'time':>10}{'share':>9}{'time idle':>12}{'capacity idle':>15}"
+        f"{'in flight':>11}",
     ]
     phases = summary["phases"]
     if s.get("mixed") == "split":
@@ -51,7 +64,8 @@ def to_text(summary: Summary, name: str = "") -> str:
         ph = phases[p]
         lines.append(f"{p:<9}{ph['time_s']:>9.2f}s{ph['time_share_pct']:>8.1f}%"
                      f"{_pct(ph['block']['time_idle_pct']):>12}"
-                     f"{_pct(ph['block']['capacity_idle_pct']):>15}")
+                     f"{_pct(ph['block']['capacity_idle_pct']):>15}"
+                     f"{_depth(ph['block'].get('inflight_mean')):>11}")
     header = (f"  {'layer':<9}{'op':<6}{'ios':>8}{'bytes':>11}{'MiB/s':>8}{'IOPS':>8}"
               f"{'p50':>7}{'p90':>7}{'p99':>7}{'p99.9':>7}")
     for p in schema.PHASES:
@@ -84,8 +98,7 @@ def to_text(summary: Summary, name: str = "") -> str:
                            "  ", "    ")
         devs = ph["block"]["devices"]
         if devs:
-            idle = "  ".join(f"{d} {_pct(v['time_idle_pct'])}" for d, v in devs.items())
-            lines.append(f"  block time idle: {idle}"[:WIDTH])
+            lines.append(f"  block time idle (in flight): {_idle_and_depth(devs)}"[:WIDTH])
         probes = ph.get("gds", {}).get("probes")
         if probes:
             dma = sum(n for k, n in probes.items() if k.startswith("cufio_gds"))
@@ -193,8 +206,8 @@ def _exact_lines(exact: Exact | None) -> list[str]:
                     f"{human_us(e['mean_service_us']):>8}"
                     f"{human_us(e['service_us_below']['p99']):>8}")
         if ph["devices"]:
-            idle = "  ".join(f"{d} {_pct(v['time_idle_pct'])}" for d, v in ph["devices"].items())
-            lines.append(f"  {p:<9}time idle: {idle}"[:WIDTH])
+            lines.append(f"  {p:<9}time idle (in flight): {_idle_and_depth(ph['devices'])}"
+                         [:WIDTH])
     if edge and edge["ios"]:
         lines.append(f"  {edge['ios']:,} requests were in slots a window edge cut: each phase's "
                      f"count is within that of the per-request rule"[:WIDTH])

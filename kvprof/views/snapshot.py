@@ -53,6 +53,9 @@ class PhaseStats:
     latency_hist_us: tuple[tuple[int, int], ...]  # (log2 bucket lower bound, count)
     size_hist: tuple[tuple[int, int], ...]
     idle_pct: float | None
+    # The mean number of block requests in flight while the device was busy (about 1: one
+    # at a time); None without block requests.
+    inflight_mean: float | None = None
     # The share of the device's calibrated capability left unused (`kvprof calibrate`);
     # None where the device was not calibrated.
     capacity_idle_pct: float | None = None
@@ -132,6 +135,7 @@ def _phase_stats(p: str, ph: PhaseReport, rates: dict) -> PhaseStats:
         latency_hist_us=_hist(_merge_hists(rd["latency_hist_us"], wr["latency_hist_us"])),
         size_hist=_hist(_merge_hists(rd["size_hist"], wr["size_hist"])),
         idle_pct=ph["block"]["time_idle_pct"] if layer == "block" else None,
+        inflight_mean=ph["block"]["inflight_mean"] if layer == "block" else None,
         capacity_idle_pct=ph["block"]["capacity_idle_pct"],
         app_read=ph["syscall"]["read"]["bandwidth_bytes_per_s"],
         app_write=ph["syscall"]["write"]["bandwidth_bytes_per_s"],

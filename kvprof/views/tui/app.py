@@ -195,6 +195,9 @@ class PhasePanel(SnapshotView):
                 t.append(label, style="dim")
         t.append("\nidle " + ("-" if p.idle_pct is None else f"{p.idle_pct:.1f} %"))
         t.append(_capacity(p))
+        if p.inflight_mean is not None:
+            # The requests in flight while busy, on average: about 1, one at a time.
+            t.append(f" qd {p.inflight_mean:.1f}")
         return t
 
 
