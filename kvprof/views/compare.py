@@ -2,8 +2,10 @@
 
 Figures are read from the two reports (`correlate.summarize`), never recomputed here, under
 dotted names a gate can use: `<phase>.<op>.bandwidth`, `.iops`, `.p50`, `.p99` (the phase's
-device layer), `<phase>.time_share`, `.time_idle`, `.capacity_idle`, `.tokens_per_s`, and the
-engines' `ttft`, `itl`, `throughput`, `prefix_hit`.
+device layer), `<phase>.time_share`, `.time_idle`, `.capacity_idle`, `.inflight` (requests in
+flight while the device was busy), `.tokens_per_s`, and the engines' `ttft`, `itl`,
+`throughput`, `prefix_hit`. Each session's findings come with the figures, so the comparison
+says what bound A and what bound B.
 
 A gate `NAME=+30%` passes when B is at least 30 % above A; `NAME=-25%` when B is at least 25 %
 below A. A gate on a figure one of the sessions lacks fails, saying so.
@@ -19,6 +21,7 @@ from kvprof import schema
 from kvprof.analysis.correlate import MAIN_OPS, phase_layer
 from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.summary import Summary
+from kvprof.views.findings import findings
 from kvprof.units import human_bytes, human_us
 
 
@@ -26,7 +29,7 @@ from kvprof.units import human_bytes, human_us
 class Figure:
     name: str
     label: str
-    unit: str  # bytes/s, iops, us, s, pct, tokens/s
+    unit: str  # bytes/s, iops, us, s, pct, depth, tokens/s
     higher_is_better: bool | None  # None: neither way is better (a time share, idle)
 
 
@@ -46,6 +49,8 @@ def figures(summary: Summary) -> dict[str, tuple[Figure, float | None]]:
         put(f"{p}.time_idle", f"{p} time idle", "pct", None, ph["block"]["time_idle_pct"])
         put(f"{p}.capacity_idle", f"{p} capacity idle", "pct", None,
             ph["block"].get("capacity_idle_pct"))
+        put(f"{p}.inflight", f"{p} requests in flight", "depth", None,
+            ph["block"].get("inflight_mean"))
         layer = phase_layer(ph)
         for op in MAIN_OPS:
             e = ph[layer][op]
@@ -125,6 +130,8 @@ def compare(a: Summary, b: Summary, gates: Sequence[Gate] = ()) -> dict:
         verdicts.append({"gate": g.text, "passed": ok, "a": r["a"], "b": r["b"],
                          "change_pct": r["change_pct"]})
     return {"a": _who(a), "b": _who(b), "figures": rows, "gates": verdicts,
+            "findings": {"a": [f.as_dict() for f in findings(a)],
+                         "b": [f.as_dict() for f in findings(b)]},
             "passed": all(v["passed"] for v in verdicts)}
 
 
@@ -143,6 +150,8 @@ def value_text(unit: str, v: float | None) -> str:
         return human_us(v * 1e6)
     if unit == "pct":
         return f"{v:.1f} %"
+    if unit == "depth":
+        return f"{v:.2f}"
     return f"{v:,.0f}" + (" tok/s" if unit == "tokens/s" else "")
 
 
@@ -159,6 +168,11 @@ def to_text(result: dict, name_a: str, name_b: str) -> str:
             change += {True: " better", False: " worse", None: ""}[r["better"]]
         lines.append(f"{r['label'][:29]:<30}{value_text(r['unit'], r['a']):>12}"
                      f"{value_text(r['unit'], r['b']):>12}  {change}".rstrip())
+    for side, name in (("a", name_a), ("b", name_b)):
+        found = result.get("findings", {}).get(side) or []
+        if found:
+            lines += ["", f"findings, {side.upper()} ({name}):"]
+            lines += [f"  - {f['text']}" for f in found]
     if result["gates"]:
         lines += ["", "gates:"]
         units = {r["name"]: r["unit"] for r in result["figures"]}
