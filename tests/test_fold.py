@@ -117,3 +117,18 @@ def test_a_window_for_time_already_folded_is_counted_late():
         "prefill": SLOT_NS, "decode": 101 * SLOT_NS, "mixed": 0, "idle": 98 * SLOT_NS}
     book.prune(2700 * SLOT_NS + book.KEEP_NS + 1)
     assert book.phase_time(2500 * SLOT_NS, 2502 * SLOT_NS)["idle"] == 2 * SLOT_NS
+
+
+def test_a_window_open_when_its_time_was_folded_is_not_late():
+    """A window the recorder had as an open row when it folded settled slots (a long marks
+    window, a replayed phase stretched past --settle) folded those slots itself: sent
+    closed afterwards, it is not counted late; one it never had is."""
+    book = WindowBook()
+    book.set_open([{"start_ns": 2400 * SLOT_NS, "end_ns": 2600 * SLOT_NS, "phase": "prefill",
+                    "source": "manual"}])
+    rows, _ = book.fold(agg((2500, 0, 10, 1)), np.zeros(0, BUSY_ROW), name, settled=True)
+    assert by_phase(rows) == {("prefill", False): 1}
+    book.set_open([])
+    book.add(windows((2400 * SLOT_NS, 2700 * SLOT_NS, "prefill", "manual"),
+                     (2450 * SLOT_NS, 2460 * SLOT_NS, "decode", "hook")))
+    assert book.counts() == {"phase_window_after_fold": 1}

@@ -296,11 +296,19 @@ class WindowBook:
         self._busy = np.zeros(0, BUSY_ROW)
         self.folded_until = 0  # settled slots before this were folded
         self.late = 0  # windows that came after the time they cover had been folded
+        # (start, phase, source) of the windows open when settled slots were folded: the
+        # fold had them, up to the time it folded.
+        self._folded_open: set[tuple[int, str, str]] = set()
 
     def add(self, rows: pa.Table) -> None:
         if not len(rows):
             return
-        self.late += int(np.count_nonzero(np.asarray(rows["start_ns"]) < self.folded_until))
+        keys = zip(rows["start_ns"].to_pylist(), rows["phase"].to_pylist(),
+                   rows["source"].to_pylist())
+        for start, phase, source in keys:
+            if start < self.folded_until and (start, phase, source) not in self._folded_open:
+                self.late += 1
+            self._folded_open.discard((start, phase, source))
         self._closed.append(rows.select(_COLS))
 
     def set_open(self, rows: list[dict]) -> None:
@@ -319,6 +327,10 @@ class WindowBook:
         if settled and (len(agg) or len(busy)):
             _, t1 = _span(agg, busy)
             self.folded_until = max(self.folded_until, t1)
+            if self._open is not None:
+                self._folded_open.update(zip(self._open["start_ns"].to_pylist(),
+                                             self._open["phase"].to_pylist(),
+                                             self._open["source"].to_pylist()))
         return out
 
     def settle(self, agg: np.ndarray, busy: np.ndarray, now_ns: int,

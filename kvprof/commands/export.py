@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 
 from kvprof.errors import EX_USAGE, KvprofError
@@ -42,12 +43,17 @@ class Recorded:
     phases (SqlRows.block_requests, file_calls, over the whole session), its phase windows
     (open ones too), the event sampling's shifts and its start. Where the event tier
     sampled, `requests` are the kept rows scaled up to the aggregate tier's counts, and
-    `scaled` says how. (The syscall layer is never sampled.)"""
+    `scaled` says how. (The syscall layer is never sampled.) `bounds`: where the phase
+    changes, from the pieces that gave the requests and calls their phases (fold.flatten over
+    the session; the first piece reaches back before the session, the last on after it);
+    piece j runs from bounds[j - 1] to bounds[j] and has phase `piece_phase[j]`."""
     requests: pa.Table
     windows: pa.Table
     shifts: list[int]
     start_ns: int
     calls: pa.Table  # the syscall layer's file calls (SqlRows.file_calls)
+    bounds: np.ndarray
+    piece_phase: np.ndarray
     scaled: Scaled | None = None
 
     @property
@@ -87,7 +93,7 @@ def recorded(session: str) -> Recorded:
         pieces = Pieces(ws, we, wp, info.start_ns, info.end_ns, info.start_ns, True)
         got = Recorded(rows.block_requests(pieces), windows,
                        rows.sampling(info.start_ns, info.end_ns), info.start_ns,
-                       rows.file_calls(pieces))
+                       rows.file_calls(pieces), ws[1:].astype(np.int64), wp)
         if got.kept_one_in and got.requests.num_rows:
             counts: dict[tuple[str, str, str], int] = {}
             for dev in set(got.requests["dev_name"].to_pylist()):

@@ -20,7 +20,9 @@ each sleeping until its call's time: a call goes out at its time whether or not 
 before it have completed (open loop, up to JOBS in flight a lane), so latency is measured
 under the recorded arrivals, and a candidate too slow for them falls behind, which the
 replay measures per phase (when it had issued each planned call's bytes, against when that
-was due).
+was due). Each call is issued in the phase it was recorded in: the first call of a phase
+waits until every call of the one before has completed (Gate), which on a slow candidate
+stretches that phase.
 
 Not fio: fio 3.33 replaying an iolog waits for each line's time by spinning (one core per
 job, which here is the CPU the candidate's I/O needs), and through one asynchronous queue
@@ -28,9 +30,11 @@ leaves up to its depth - 1 of the requests unissued while counting them done. `k
 --fio-iolog` writes the block requests for fio, for those who replay with it.
 
 The new session holds the recording's phase windows, moved to the replay's clock (its first
-call at the recording's first) and sent to its recorder as the replay reaches them
-(kvprof/phases/replayed.py), so its report, exact tier and idle time per phase and `compare`
-split the same way.
+call at the recording's first), each phase from where the replay started it to where it
+started the next (Gate), sent to its recorder as the replay decides them
+(kvprof/phases/replayed.py): its report, exact tier and idle time per phase and `compare`
+split the same way, each call in the phase it had in the recording; the replay says how long
+each phase took against the recording (`phases`).
 
 Safety: as `kvprof calibrate`: a directory gets scratch files (deleted afterwards), a raw
 device that is mounted or held is refused, and one holding data is refused unless --force.
@@ -52,6 +56,8 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof.errors import EX_DATAERR, EX_USAGE, KvprofError
+from kvprof.phases.replayed import UNKNOWN, new_edges
+from kvprof.schema import SLOT_NS
 
 JOBS = 8  # replaying threads per lane (reads, writes, syncs): the most in flight in each
 LEAD_MAX_NS = 10_000_000_000
@@ -59,21 +65,30 @@ LEAD_MAX_NS = 10_000_000_000
 
 @dataclass
 class Plan:
-    """The requests to issue, in issue order: candidate offsets, sizes, ops, phases, and
-    the recorded issue times (ns); `t0`: the first one's."""
+    """The requests to issue, in issue order: candidate offsets, sizes, ops, phases, the
+    recorded issue times (ns) and phase pieces (Gate); `t0`: the first one's."""
     offset: np.ndarray
     size: np.ndarray
     op: list[str]
     phase: list[str]
     issue_ns: np.ndarray
     span: int  # bytes of the candidate the offsets reach
+    segment: np.ndarray
 
     @property
     def t0(self) -> int:
         return int(self.issue_ns[0])
 
 
-def plan(requests: pa.Table, phases: list[str]) -> Plan:
+def pieces_of(issue_ns: np.ndarray, bounds: np.ndarray | None) -> np.ndarray:
+    """Each issue time's phase piece: the number of `bounds` (where the recording's phase
+    changes, Recorded.bounds) at or before it, as the recording's rule gave its phase."""
+    if bounds is None:
+        return np.zeros(len(issue_ns), np.int64)
+    return np.searchsorted(bounds, issue_ns, side="right").astype(np.int64)
+
+
+def plan(requests: pa.Table, phases: list[str], bounds: np.ndarray | None = None) -> Plan:
     """The recorded block requests of `phases` (all when empty) laid out for one candidate:
     each recorded device's range [lowest offset, highest end) placed after the previous
     one's. Requests with no data to move (flushes, empty writes) are left out."""
@@ -94,42 +109,123 @@ def plan(requests: pa.Table, phases: list[str]) -> Plan:
         out[mine] = offset[mine] - lo + base
         base += hi - lo
     issue = requests["issue_ns"].to_numpy(zero_copy_only=False).astype(np.int64)[keep]
-    return Plan(out, size, op[keep].tolist(), phase[keep].tolist(), issue, base)
+    return Plan(out, size, op[keep].tolist(), phase[keep].tolist(), issue, base,
+                pieces_of(issue, bounds))
+
+
+class Gate:
+    """Where each phase piece of the replay starts on its clock (`edges`, shared with the
+    recorder's ReplayedWindows), decided as the replay goes, and the replaying threads held
+    to it, so that every request is issued inside the piece of the phase it was recorded in.
+
+    The recording's time is cut where its phase changes (`bounds`; piece j runs from
+    bounds[j - 1] to bounds[j]); `segment[k]`: call k's piece, in issue order. Piece j starts
+    once every call of the pieces before it has completed (the only moment the replaying
+    process knows the kernel has issued them), and not before it was due: at the later of
+    the two, so a piece the candidate is slow to serve stretches and the next one starts
+    where it ended. A call goes out at its own time or at its piece's start, whichever is
+    later. Where a call of the pieces before completed within the 4 ms issue slot
+    (schema.SLOT_NS) the start falls in, the start moves to the next slot: no slot of the
+    aggregate tier then holds requests of two phases, and it folds each request as the
+    events do. The threads wait on a condition; those of one process share it (a file replay
+    runs them in its own process, `edges` in a shared mapping)."""
+
+    def __init__(self, bounds: np.ndarray, segment: np.ndarray, edges: np.ndarray,
+                 t0: int, speed: float) -> None:
+        self.bounds = np.asarray(bounds, np.int64)
+        self.edges = edges
+        self.left = np.bincount(np.asarray(segment, np.int64),
+                                minlength=len(self.bounds) + 1).tolist()
+        self.t0, self.speed = t0, speed
+        self.aborted = False
+        self._cond = threading.Condition()
+        self._next = 1  # the first piece whose start is not decided
+        self._latest = 0  # when the last call completed, of all completed so far
+        self._due: list[int] = []
+
+    def begin(self, start_ns: int) -> None:
+        """The replay's first call is due at `start_ns`: the pieces up to the first with
+        calls start when they were due."""
+        self._due = [start_ns + d for d in _due(self.bounds, self.t0, self.speed)]
+        with self._cond:
+            self._advance()
+
+    def _advance(self) -> None:
+        while self._next < len(self.left) and self.left[self._next - 1] == 0:
+            j = self._next
+            at = max(self._due[j - 1], int(self.edges[j - 1]), self._latest)
+            if at % SLOT_NS and self._latest > at - at % SLOT_NS:
+                at += SLOT_NS - at % SLOT_NS
+            self.edges[j] = at
+            self._next += 1
+        self._cond.notify_all()
+
+    def wait(self, j: int) -> int | None:
+        """When piece j starts, once decided; None where the replay ended meanwhile."""
+        with self._cond:
+            while self.edges[j] == UNKNOWN and not self.aborted:
+                self._cond.wait()
+            return None if self.aborted else int(self.edges[j])
+
+    def done(self, j: int, at_ns: int) -> None:
+        """A call of piece j completed at `at_ns`."""
+        with self._cond:
+            self._latest = max(self._latest, at_ns)
+            self.left[j] -= 1
+            if self.left[j] == 0 and j == self._next - 1:
+                self._advance()
+
+    def abort(self) -> None:
+        with self._cond:
+            self.aborted = True
+            self._cond.notify_all()
 
 
 def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
-                    sizes: np.ndarray, lanes: np.ndarray, jobs: int) -> Callable[[int], None]:
+                    sizes: np.ndarray, lanes: np.ndarray, jobs: int,
+                    gate: Gate, segment: np.ndarray) -> Callable[[int], None]:
     """A runner that, given start_ns, calls do(k, buffer) for each k at start_ns + due[k]
-    (monotonic ns) and returns when all are done. Each lane (the calls with one `lanes`
-    value: reads, writes, syncs) has `jobs` threads of its own, which take its calls in
-    order and sleep until each is due: a call goes out at its time whether or not the ones
-    before it have completed (open loop, up to `jobs` in flight a lane), and writes a slow
-    candidate holds back hold back no reads, as an engine's store and load threads do not
-    wait on each other. The threads sleep rather than spin (the candidate's I/O needs the
-    CPU) and leave the GIL in the calls themselves; `sizes[k]`: the buffer call k needs.
-    Everything is set up here, before the start (buffers, threads): a traced process
-    replaying makes no other calls once it starts. The first OSError ends the replay."""
+    (monotonic ns), or at the start of its phase piece (`gate`, `segment[k]`) where that is
+    later, and returns when all are done. Each lane (the calls with one `lanes` value: reads,
+    writes, syncs) has `jobs` threads of its own, which take its calls in order and sleep
+    until each is due: a call goes out at its time whether or not the ones before it have
+    completed (open loop, up to `jobs` in flight a lane), and within a phase piece writes a
+    slow candidate holds back hold back no reads, as an engine's store and load threads do
+    not wait on each other; a call of the next piece waits until every call of the pieces
+    before has completed (Gate), as it must to be issued in its own phase. The threads
+    sleep rather than spin (the candidate's I/O needs the CPU) and leave the GIL in the calls
+    themselves; `sizes[k]`: the buffer call k needs. Everything is set up here, before the
+    start (buffers, threads): a traced process replaying makes no other calls once it
+    starts. The first OSError ends the replay."""
     import itertools
     import mmap
     import os
 
-    errors: list[OSError] = []
+    errors: list[BaseException] = []
     data = os.urandom(max(int(sizes.max()), 4096))  # what writes carry: incompressible
     start = [0]
+    seg = np.asarray(segment, np.int64).tolist()
 
     def work(mine: list[int], order: Iterator[int], view: memoryview) -> None:
-        while not errors:
-            n = next(order)
-            if n >= len(mine):
-                return
-            k = mine[n]
-            wait = start[0] + due[k] - time.monotonic_ns()
-            if wait > 0:
-                time.sleep(wait / 1e9)
-            try:
+        try:
+            while not errors:
+                n = next(order)
+                if n >= len(mine):
+                    return
+                k = mine[n]
+                at = start[0] + due[k]
+                if seg[k]:
+                    edge = gate.wait(seg[k])
+                    if edge is None:
+                        return
+                    at = max(at, edge)
+                while (wait := at - time.monotonic_ns()) > 0:
+                    time.sleep(wait / 1e9)
                 do(k, view)
-            except OSError as e:
-                errors.append(e)
+                gate.done(seg[k], time.monotonic_ns())
+        except BaseException as e:  # noqa: BLE001 (raised in the caller's thread)
+            errors.append(e)
+            gate.abort()
 
     threads = []
     for lane in np.unique(lanes).tolist():
@@ -145,12 +241,15 @@ def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
 
     def run(start_ns: int) -> None:
         start[0] = start_ns
+        gate.begin(start_ns)
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         if errors:
             e = errors[0]
+            if not isinstance(e, OSError):
+                raise e
             raise KvprofError(f"replaying on {e.filename or 'the candidate'}: {e.strerror}",
                               EX_DATAERR)
     return run
@@ -160,8 +259,10 @@ def _due(issue_ns: np.ndarray, t0: int, speed: float) -> list[int]:
     return ((issue_ns - t0) / speed).astype(np.int64).tolist()
 
 
-def issue(p: Plan, path: str, speed: float, start_ns: int, jobs: int = JOBS) -> None:
-    """The plan's block requests on `path` (O_DIRECT), the first at `start_ns`."""
+def issue(p: Plan, path: str, speed: float, start_ns: int, gate: Gate,
+          jobs: int = JOBS) -> None:
+    """The plan's block requests on `path` (O_DIRECT), the first at `start_ns`, each in
+    its phase piece (`gate`)."""
     import os
 
     fd = os.open(path, os.O_RDWR | os.O_DIRECT)
@@ -180,7 +281,7 @@ def issue(p: Plan, path: str, speed: float, start_ns: int, jobs: int = JOBS) -> 
 
     try:
         _at_their_times(_due(p.issue_ns, p.t0, speed), do, p.size,
-                        np.array(write, np.int8), jobs)(start_ns)
+                        np.array(write, np.int8), jobs, gate, p.segment)(start_ns)
     finally:
         os.close(fd)
 
@@ -198,7 +299,7 @@ class FilePlan:
     cold (a buffered read that put pages into the page cache in the recording), phase,
     recorded issue time; `lay_down`: per file read before the replay writes it, the bytes
     laid down before the replay (as far as its reads reached), so they read what the
-    recording read."""
+    recording read. `segment`: each call's phase piece (Gate)."""
     file: np.ndarray
     paths: list[str]
     caches: list[str]  # each file's KV cache, as the recording labelled it
@@ -211,13 +312,15 @@ class FilePlan:
     phase: list[str]
     issue_ns: np.ndarray
     lay_down: dict[int, int]
+    segment: np.ndarray
 
     @property
     def t0(self) -> int:
         return int(self.issue_ns[0])
 
 
-def file_plan(calls: pa.Table, phases: list[str], caches: list[str]) -> FilePlan:
+def file_plan(calls: pa.Table, phases: list[str], caches: list[str],
+              bounds: np.ndarray | None = None) -> FilePlan:
     """The recorded file calls (SqlRows.file_calls) of `phases` on the files of `caches`
     (all when empty)."""
     import pyarrow.compute as pc
@@ -258,9 +361,10 @@ def file_plan(calls: pa.Table, phases: list[str], caches: list[str]) -> FilePlan
         f = int(file[k])
         if first_write.get(f, len(kind)) > k:  # read before the replay writes it
             lay_down[f] = max(lay_down.get(f, 0), int(offset[k] + size[k]))
+    issue = col("issue_ns", np.int64)
     return FilePlan(file, paths, labels, kind, col("direct", bool), offset, size, ask, cold,
-                    calls["phase"].to_pylist() if key else [], col("issue_ns", np.int64),
-                    lay_down)
+                    calls["phase"].to_pylist() if key else [], issue, lay_down,
+                    pieces_of(issue, bounds))
 
 
 def _name(root: Path, fp: FilePlan, f: int) -> Path:
@@ -296,10 +400,11 @@ def lay_down(fp: FilePlan, root: Path) -> None:
             os.close(fd)
 
 
-def issue_files(fp: FilePlan, root: Path, speed: float, jobs: int = JOBS
+def issue_files(fp: FilePlan, root: Path, speed: float, gate: Gate, jobs: int = JOBS
                 ) -> Callable[[int], None]:
     """A runner making the plan's file calls on files under `root`, the first at the
-    start_ns it is given (all set up before: _at_their_times): each recorded
+    start_ns it is given, each in its phase piece (`gate`; all set up before:
+    _at_their_times): each recorded
     file a file of its own, opened at its first call (O_DIRECT where the recording's was),
     reads and writes at their offsets, fsyncs as fsyncs; at the end, each file written
     through the page cache synced (the kernel's writeback, which the engine left its pages
@@ -339,7 +444,7 @@ def issue_files(fp: FilePlan, root: Path, speed: float, jobs: int = JOBS
             raise
 
     replay = _at_their_times(_due(fp.issue_ns, fp.t0, speed), do, fp.ask,
-                             np.minimum(fp.kind, 2), jobs)
+                             np.minimum(fp.kind, 2), jobs, gate, fp.segment)
 
     def run(start_ns: int) -> None:
         try:
@@ -356,17 +461,23 @@ def issue_files(fp: FilePlan, root: Path, speed: float, jobs: int = JOBS
 
 
 def child() -> None:
-    """The process that makes the file calls (`python -c "...child()" PLAN ROOT SPEED`): of
-    its own, so the new session traces its calls alone (by pid), not the recorder's writes
-    to the session. Says `ready`, reads the start time (monotonic ns), replays, exits."""
+    """The process that makes the file calls (`python -c "...child()" PLAN ROOT SPEED
+    EDGES`): of its own, so the new session traces its calls alone (by pid), not the
+    recorder's writes to the session. Says `ready`, reads the start time (monotonic ns),
+    replays, exits. Where each phase piece starts (Gate) it writes in EDGES, a file the
+    replay maps too: shared memory, which its recorder reads without a call of ours."""
     import itertools  # noqa: F401 - loaded now: after `ready` its calls alone are traced
-    import mmap  # noqa: F401 - (its shared object is read when first imported)
+    import mmap
     import pickle
 
     plan_path, root, speed = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
     with open(plan_path, "rb") as f:
-        fp = pickle.load(f)  # (our own file, written by the replay that started us)
-    run = issue_files(fp, root, speed)
+        # (our own file, written by the replay that started us)
+        fp, bounds = pickle.load(f)
+    with open(sys.argv[4], "r+b") as f:
+        shared = mmap.mmap(f.fileno(), 0)
+    edges = np.frombuffer(shared, np.int64, len(bounds) + 1)
+    run = issue_files(fp, root, speed, Gate(bounds, fp.segment, edges, fp.t0, speed))
     print("ready", flush=True)
     start = int(sys.stdin.readline())
     try:
@@ -395,6 +506,35 @@ def lag(p: Plan | FilePlan, issued_ns: np.ndarray, issued_bytes: np.ndarray,
         d = late[phases == ph]
         out[ph] = {"p50_s": float(np.quantile(d, 0.5)), "p99_s": float(np.quantile(d, 0.99)),
                    "max_s": float(d.max()), "requests": int(len(d))}
+    return out
+
+
+def stretch(got, edges: np.ndarray, p: Plan | FilePlan, speed: float, start_ns: int,
+            issued_ns: np.ndarray) -> dict[str, dict[str, float]]:
+    """Per phase, its time from the first planned call to the last, in the recording
+    (`recorded_s`, on its clock) and in the replay (`replayed_s`: from the first call's
+    due time to the last replayed request's issue, under the pieces' starts the replay
+    decided, `edges`), and by how much the replay's is longer (`stretched_s`, against
+    recorded_s / speed): a phase whose requests the candidate let out late stretches until
+    they are out; the next one, which began late, may be shorter than recorded."""
+    phase = np.asarray(got.piece_phase, dtype=object)
+    if not len(phase):
+        return {}
+    lo_ns, hi_ns = np.iinfo(np.int64).min, np.iinfo(np.int64).max
+    t0, t1 = p.t0, int(p.issue_ns[-1])
+    rec = (np.clip(np.append(got.bounds, hi_ns), t0, t1)
+           - np.clip(np.insert(got.bounds, 0, lo_ns), t0, t1))
+    # (every piece's start is decided once the replay is done; one that is not stays where
+    # the piece before it starts)
+    e = np.maximum.accumulate(np.asarray(edges, np.int64))
+    end = max(int(issued_ns.max()) if len(issued_ns) else start_ns, start_ns)
+    took = np.clip(np.append(e[1:], hi_ns), start_ns, end) - np.clip(e, start_ns, end)
+    out = {}
+    for ph in sorted(set(phase.tolist())):
+        mine = phase == ph
+        a, b = int(rec[mine].sum()) / 1e9, int(took[mine].sum()) / 1e9
+        if a or b:
+            out[ph] = {"recorded_s": a, "replayed_s": b, "stretched_s": b - a / speed}
     return out
 
 
@@ -442,11 +582,11 @@ def _replayed(out: Path, under: Path | None = None) -> tuple[np.ndarray, np.ndar
         con.close()
 
 
-def _recording_while(opts, windows, t0: int, last: int, lead_ns: int, speed: float,
-                     go: Callable[[int], None]) -> int:
-    """Record the candidate (`opts`: the new session, `windows` among its feeds) while
-    go(start_ns) replays: the recording's t0 at start_ns, `lead_ns` after attaching.
-    Returns start_ns."""
+def _recording_while(opts, windows, edges: np.ndarray, t0: int, last: int, lead_ns: int,
+                     speed: float, go: Callable[[int], None]) -> int:
+    """Record the candidate (`opts`: the new session, `windows` among its feeds, sent where
+    the replay puts each phase piece: `edges`) while go(start_ns) replays: the recording's
+    t0 at start_ns, `lead_ns` after attaching. Returns start_ns."""
     from kvprof.commands.record import Recorder
 
     attached = threading.Event()
@@ -475,7 +615,7 @@ def _recording_while(opts, windows, t0: int, last: int, lead_ns: int, speed: flo
                      daemon=True).start()
     try:
         start = time.monotonic_ns() + lead_ns
-        windows.schedule(start, t0, speed)
+        windows.schedule(start, t0, speed, edges)
         go(start)
     finally:
         done.set()
@@ -501,9 +641,9 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
     if layer is None:
         layer = "syscall" if on_dir and got.calls.num_rows else "block"
     dest = Path(out) if out else default_out()
-    # The recording's windows sent as the replay reaches them, and no other source's
+    # The recording's windows sent as the replay places its phases, and no other source's
     # (phases=["marks"]: nothing discovered on this host).
-    windows = ReplayedWindows(got.windows)
+    windows = ReplayedWindows(got.windows, got.bounds)
     if layer == "syscall":
         result = _replay_files(got, session, on, phases, speed, dest, windows, caches or [])
     else:
@@ -524,7 +664,7 @@ def _replay_block(got, session: str, on: str, phases: list[str], speed: float, d
     from kvprof.commands.calibrate import prepare
     from kvprof.commands.record import RecordOptions
 
-    p = plan(got.requests, phases)
+    p = plan(got.requests, phases, got.bounds)
     if len(p.issue_ns) == 0:
         why = (" (a --no-events session keeps none)" if not got.calls.num_rows else
                f"; it has file calls: replay them on a directory (--on DIR --layer syscall)")
@@ -545,10 +685,12 @@ def _replay_block(got, session: str, on: str, phases: list[str], speed: float, d
         opts = RecordOptions(out=str(dest), devices=[target.device.name], event_rate=0,
                              socket=str(tmp / "marks.sock"), phases=["marks"],
                              feeds=[windows])
+        edges = new_edges(len(got.bounds) + 1)
+        gate = Gate(got.bounds, p.segment, edges, p.t0, speed)
         with _no_merges(target.device.name):
-            start = _recording_while(opts, windows, p.t0, int(p.issue_ns[-1]),
-                             _lead(p, got.start_ns, speed), speed,
-                             lambda start: issue(p, target.path, speed, start))
+            start = _recording_while(opts, windows, edges, p.t0, int(p.issue_ns[-1]),
+                                     _lead(p, got.start_ns, speed), speed,
+                                     lambda start: issue(p, target.path, speed, start, gate))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if target.scratch is not None:
@@ -557,6 +699,7 @@ def _replay_block(got, session: str, on: str, phases: list[str], speed: float, d
     return {"requests": len(p.issue_ns), "bytes": int(p.size.sum()),
             "replayed": int(len(issued)), "replayed_bytes": int(sizes.sum()),
             "lag": lag(p, issued, sizes, speed, start),
+            "phases": stretch(got, edges, p, speed, start, issued),
             "scaled_up": None if got.scaled is None else [
                 {"phase": ph, "device": dev, "op": op, "kept": kept, "issued": n}
                 for (ph, dev, op), (kept, n) in sorted(got.scaled.groups.items())]}
@@ -567,6 +710,7 @@ def _replay_files(got, session: str, on: str, phases: list[str], speed: float, d
     """The recording's file calls, made on files in a scratch directory under `on` by a
     process of its own, which the new session traces (syscall layer, by its pid) with the
     block requests it makes on the directory's device."""
+    import mmap
     import os
     import pickle
     import shutil
@@ -589,7 +733,7 @@ def _replay_files(got, session: str, on: str, phases: list[str], speed: float, d
             print(f"kvprof: replaying the file calls of {', '.join(found)}"
                   + (f"; {others} calls on other files left out (--cache NAME for each cache "
                      "to replay, `other` for the rest)" if others else ""), file=sys.stderr)
-    fp = file_plan(got.calls, phases, caches)
+    fp = file_plan(got.calls, phases, caches, got.bounds)
     if len(fp.issue_ns) == 0:
         raise KvprofError(f"{session}: no file reads, writes or syncs recorded (syscall layer, "
                           "with their offsets)" + (f" in {', '.join(phases)}" if phases else "")
@@ -605,14 +749,21 @@ def _replay_files(got, session: str, on: str, phases: list[str], speed: float, d
     root = Path(tempfile.mkdtemp(prefix=".kvprof-replay-", dir=on))
     tmp = Path(tempfile.mkdtemp(prefix="kvprof-replay-"))
     proc = None
+    edges = None
     try:
         _folders(fp, root)
         lay_down(fp, root)
         with open(tmp / "plan.pickle", "wb") as f:
-            pickle.dump(fp, f)
+            pickle.dump((fp, got.bounds), f)
+        # Where the child puts each phase piece (Gate), which the recorder's windows follow:
+        # a file both map, so the child says it with no call the new session would trace.
+        with open(tmp / "edges", "w+b") as g:
+            g.truncate((len(got.bounds) + 1) * 8)
+            shared = mmap.mmap(g.fileno(), 0)
+        edges = new_edges(len(got.bounds) + 1, shared)
         proc = subprocess.Popen(
             [sys.executable, "-c", "from kvprof.commands.replay import child; child()",
-             str(tmp / "plan.pickle"), str(root), repr(speed)],
+             str(tmp / "plan.pickle"), str(root), repr(speed), str(tmp / "edges")],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert proc.stdin is not None and proc.stdout is not None
         if proc.stdout.readline().strip() != "ready":
@@ -632,8 +783,9 @@ def _replay_files(got, session: str, on: str, phases: list[str], speed: float, d
                                   f"the replaying process ended with {proc.returncode}",
                                   EX_DATAERR)
 
-        start = _recording_while(opts, windows, fp.t0, int(fp.issue_ns[-1]),
+        start = _recording_while(opts, windows, edges, fp.t0, int(fp.issue_ns[-1]),
                                  _lead(fp, got.start_ns, speed), speed, go)
+        edges = edges.copy()
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
@@ -646,7 +798,8 @@ def _replay_files(got, session: str, on: str, phases: list[str], speed: float, d
                                                   "bytes": sum(fp.lay_down.values())},
             "direct_calls": int(fp.direct.sum()), "syncs": int((fp.kind >= 2).sum()),
             "replayed": int(len(issued)), "replayed_bytes": int(sizes.sum()),
-            "lag": lag(fp, issued, sizes, speed, start)}
+            "lag": lag(fp, issued, sizes, speed, start),
+            "phases": stretch(got, edges, fp, speed, start, issued)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -662,5 +815,13 @@ def run(args: argparse.Namespace) -> int:
         verdict = ("kept up" if lg["p99_s"] < 0.01 else
                    f"fell behind: p99 {lg['p99_s']:.2f} s, at most {lg['max_s']:.2f} s late")
         print(f"  {ph:8} {lg['requests']:>8} {what}  {verdict}")
+    # Each call stays in the phase it was recorded in: a phase the candidate let its calls
+    # out of late lasted until they were out.
+    took = result["phases"]
+    if took:
+        print("  time per phase, recorded -> replayed: " + ", ".join(
+            f"{ph} {t['recorded_s'] / result['speed']:.2f} -> {t['replayed_s']:.2f} s"
+            + (f" ({t['stretched_s']:+.2f} s)" if abs(t["stretched_s"]) >= 0.005 else "")
+            for ph, t in took.items()))
     print(f"kvprof: compare them with: kvprof compare {args.session} {result['session']}")
     return 0

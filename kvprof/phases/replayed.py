@@ -1,9 +1,20 @@
-"""A recording's phase windows sent again while `kvprof replay` issues its requests: each
-window moved to the replay's clock and handed to the recorder as its time comes, as the
-engine's sources sent them while it was recorded. So the new session's aggregate tier (its
-exact counts and idle time per phase, folded by the windows the recorder knows at each flush)
-and its events split by the same windows, and a live view of it sees the phase in progress.
-The windows keep their sources (the rule ranks overlapping ones by source) and tokens."""
+"""A recording's phase windows sent again while `kvprof replay` issues its requests, on the
+replay's clock, so that every replayed request is issued inside the window of the phase it
+was recorded in, however late the candidate lets it go out.
+
+The recording's time is cut where its phase changes (fold.flatten's pieces: `bounds`); the
+replay decides, as it goes, when each piece starts on its clock (`edges`, kept by the
+replaying threads: kvprof/commands/replay.py's Gate): at the later of when it was due and
+when every request of the pieces before it had completed, so a piece the candidate is slow
+to serve stretches and the next one starts where it ended. A window's edge at recording time
+t is sent at max(t moved to the replay's clock, the start of t's piece): a monotone map of
+the recording's time, so the windows keep their order, their overlaps and what
+flatten makes of them, and each piece holds the phase it had. A window goes to the recorder
+once its end is decided and its time has come (at the recorder's flushes, `take`), and the
+ones begun and not ended as open rows, so the new session's aggregate tier (folded by the
+windows the recorder knows at each flush) and its events split by the same windows, and a
+live view of it sees the phase in progress. The windows keep their sources (the rule ranks
+overlapping ones by source) and tokens."""
 from __future__ import annotations
 
 import time
@@ -14,29 +25,55 @@ import pyarrow as pa
 from kvprof.phases.base import PhaseSource
 from kvprof.phases.windows import phase_row
 
+UNKNOWN = np.iinfo(np.int64).min  # a piece's start the replay has not decided yet
+BEFORE = UNKNOWN + 1  # the first piece's: it starts before every edge
+
+
+def new_edges(pieces: int, buffer=None) -> np.ndarray:
+    """Each piece's start on the replay's clock (monotonic ns), none decided yet; in
+    `buffer` (shared with the process that replays) where given."""
+    edges = (np.zeros(pieces, np.int64) if buffer is None
+             else np.frombuffer(buffer, np.int64, pieces))
+    edges[:] = UNKNOWN
+    if pieces:
+        edges[0] = BEFORE
+    return edges
+
 
 class ReplayedWindows(PhaseSource):
     name = "replay"
     interval_s = 0.1
 
-    def __init__(self, windows: pa.Table) -> None:
-        """`windows`: store.phase_windows' columns, on the recording's clock."""
+    def __init__(self, windows: pa.Table, bounds: np.ndarray | None = None) -> None:
+        """`windows`: store.phase_windows' columns, on the recording's clock; `bounds`: the
+        recording's times where its phase changes (Recorded.bounds), none: one piece."""
         super().__init__()
         self._w = windows.to_pylist()
         self._start = np.array([w["start_ns"] for w in self._w], np.int64)
         self._end = np.array([w["end_ns"] for w in self._w], np.int64)
+        self._bounds = np.zeros(0, np.int64) if bounds is None else np.asarray(bounds, np.int64)
         self._sent = np.zeros(len(self._w), bool)
         self._at: tuple[int, int, float] | None = None
+        self._edges: np.ndarray | None = None
 
-    def schedule(self, start_ns: int, t0_ns: int, speed: float) -> None:
+    def schedule(self, start_ns: int, t0_ns: int, speed: float,
+                 edges: np.ndarray | None = None) -> None:
         """The recording's time `t0_ns` falls at `start_ns` (monotonic) in the replay, which
-        runs `speed` times as fast."""
+        runs `speed` times as fast; `edges`: where each piece starts in the replay, as the
+        replay decides it (new_edges; read, never written here), none: where it was due."""
         self._at = (int(start_ns), int(t0_ns), float(speed))
+        self._edges = edges
 
-    def _moved(self, t: np.ndarray) -> np.ndarray:
+    def warp(self, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Recording times on the replay's clock, and whether each is decided yet."""
         assert self._at is not None
         start, t0, speed = self._at
-        return start + ((t - t0) / speed).astype(np.int64)
+        moved = start + ((t - t0) / speed).astype(np.int64)
+        if self._edges is None:
+            return moved, np.ones(len(t), bool)
+        edge = np.array(self._edges)[np.searchsorted(self._bounds, t, side="right")]
+        known = edge != UNKNOWN
+        return np.where(known, np.maximum(moved, edge), moved), known
 
     def _row(self, i: int, start: int, end: int) -> dict:
         w = self._w[i]
@@ -44,24 +81,41 @@ class ReplayedWindows(PhaseSource):
                          prefill_tokens=w["prefill_tokens"], decode_tokens=w["decode_tokens"])
 
     def _send(self, until_ns: int, cut: bool) -> None:
-        """Send the windows over by `until_ns`; `cut`: those begun by then too, ended there."""
+        """Send the windows ended by `until_ns`; `cut`: those begun by then too, ended there.
+        A window the replay squeezed to nothing (its piece started after its end was due)
+        is not sent."""
         if self._at is None:
             return
-        s, e = self._moved(self._start), self._moved(self._end)
-        due = ~self._sent & ((e <= until_ns) | (cut & (s < until_ns)))
-        for i in np.flatnonzero(due):
-            self.emit("phase", self._row(int(i), int(s[i]), int(min(e[i], until_ns))))
+        s, s_known = self.warp(self._start)
+        e, e_known = self.warp(self._end)
+        if cut:
+            due = ~self._sent & s_known & (s < until_ns)
+            e = np.where(e_known, np.minimum(e, until_ns), until_ns)
+        else:
+            due = ~self._sent & e_known & (e <= until_ns)
+        for i in np.flatnonzero(due & (e > s)):
+            self.emit("phase", self._row(int(i), int(s[i]), int(e[i])))
         self._sent |= due
 
     def poll(self) -> None:
+        """(Windows are sent at the recorder's flushes, `take`: one sent between taking the
+        sources' rows and asking for the open ones would be in neither.)"""
+
+    def take(self) -> dict[str, pa.Table]:
         self._send(time.monotonic_ns(), cut=False)
+        return super().take()
 
     def open_rows(self, now_ns: int) -> list[dict]:
+        """The windows begun and not sent, up to their end where it is decided and has come
+        (sent at the next flush), else up to now: a piece the replay is still issuing goes
+        on at least until now."""
         if self._at is None:
             return []
-        s, e = self._moved(self._start), self._moved(self._end)
-        return [self._row(int(i), int(s[i]), now_ns)
-                for i in np.flatnonzero(~self._sent & (s <= now_ns) & (e > now_ns))]
+        s, s_known = self.warp(self._start)
+        e, e_known = self.warp(self._end)
+        e = np.where(e_known, np.minimum(e, now_ns), now_ns)
+        return [self._row(int(i), int(s[i]), int(e[i]))
+                for i in np.flatnonzero(~self._sent & s_known & (s < e))]
 
     def close(self, end_ns: int) -> None:
         self._send(end_ns, cut=True)

@@ -1,0 +1,149 @@
+"""kvprof replay's phase pieces without a device: where the Gate starts each piece, that its
+threads hold every call inside its piece, what ReplayedWindows sends the recorder and when,
+and the time per phase the replay reports."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kvprof.analysis.fold import flatten
+from kvprof.commands.replay import Gate, _at_their_times, stretch
+from kvprof.phases.replayed import UNKNOWN, ReplayedWindows, new_edges
+from kvprof.schema import SLOT_NS
+
+MS = 1_000_000
+
+
+def _gate(bounds: list[int], segment: list[int]) -> Gate:
+    return Gate(np.array(bounds, np.int64), np.array(segment), new_edges(len(bounds) + 1),
+                0, 1.0)
+
+
+def test_a_piece_starts_when_due_or_once_the_pieces_before_completed_on_a_slot_edge():
+    start = 1000 * SLOT_NS
+    g = _gate([10 * MS, 20 * MS, 30 * MS], [0, 0, 2])
+    g.begin(start)
+    assert g.edges[1] == UNKNOWN  # piece 0's calls are out
+    g.done(0, start + 1 * MS)
+    assert g.edges[1] == UNKNOWN
+    # Both done long before piece 1 was due: it starts when due, and piece 1 has no calls,
+    # so piece 2 does too.
+    g.done(0, start + 2 * MS)
+    assert g.edges[1] == start + 10 * MS and g.edges[2] == start + 20 * MS
+    assert g.edges[3] == UNKNOWN
+    # Piece 2's call completed after piece 3 was due: piece 3 starts at the next slot edge
+    # (no 4 ms slot holds requests of both).
+    g.done(2, start + 31 * MS + 5)
+    assert g.edges[3] == start + 32 * MS
+
+
+def test_completed_within_the_due_start_s_slot_moves_the_start_to_the_slot_s_end():
+    start = 1000 * SLOT_NS
+    g = _gate([9 * MS], [0])
+    g.begin(start)
+    g.done(0, start + 8 * MS + 1)  # before 9 ms, in the slot [8, 12) ms that holds it
+    assert g.edges[1] == start + 12 * MS
+    g = _gate([9 * MS], [0])
+    g.begin(start)
+    g.done(0, start + 8 * MS)  # the slot's very start: the call was issued before it
+    assert g.edges[1] == start + 9 * MS
+
+
+def test_the_threads_issue_no_call_before_its_piece_starts_nor_after_the_next():
+    """Calls 2 ms each, 4 in flight a lane, two lanes, three pieces due 1 ms apart: the
+    replay falls behind at once, and still every call starts in its own piece, after every
+    call of the pieces before it completed."""
+    rng = np.random.default_rng(1)
+    issue = np.sort(rng.integers(0, 3 * MS, 60)).astype(np.int64)
+    bounds = np.array([1 * MS, 2 * MS], np.int64)
+    segment = np.searchsorted(bounds, issue, side="right")
+    lanes = rng.integers(0, 2, 60).astype(np.int8)
+    gate = Gate(bounds, segment, new_edges(3), 0, 1.0)
+    spans = [(0, 0)] * 60
+    lock = threading.Lock()
+
+    def do(k: int, _view: memoryview) -> None:
+        began = time.monotonic_ns()
+        time.sleep(0.002)
+        with lock:
+            spans[k] = (began, time.monotonic_ns())
+
+    run = _at_their_times(issue.tolist(), do, np.full(60, 4096), lanes, 4, gate, segment)
+    start = time.monotonic_ns() + 20 * MS
+    run(start)
+    began = np.array([s[0] for s in spans])
+    ended = np.array([s[1] for s in spans])
+    assert (began >= start + issue).all()
+    edges = np.append(gate.edges, np.iinfo(np.int64).max)
+    for j in (1, 2):
+        assert edges[j] > edges[j - 1]
+        assert (ended[segment < j] <= edges[j]).all()
+        assert (began[segment == j] >= edges[j]).all()
+        assert (began[segment == j] < edges[j + 1]).all()
+        assert edges[j] % SLOT_NS == 0 or ended[segment < j].max() <= edges[j] - edges[j] % SLOT_NS
+    assert edges[2] - start > 2 * MS  # it did fall behind
+
+
+def _windows(*rows: tuple[int, int, str, str]) -> pa.Table:
+    return pa.table({"start_ns": [r[0] for r in rows], "end_ns": [r[1] for r in rows],
+                     "phase": [r[2] for r in rows], "source": [r[3] for r in rows],
+                     "prefill_tokens": pa.array([None] * len(rows), pa.int64()),
+                     "decode_tokens": pa.array([None] * len(rows), pa.int64())})
+
+
+def test_windows_follow_the_pieces_the_replay_decided_and_keep_what_flatten_makes_of_them():
+    # Recording: prefill [0, 10) ms (hook), decode [10, 30) in two steps, and an NVML window
+    # over all of it, which the hook's windows outrank. Its phase changes at 10 ms only.
+    w = _windows((0, 10 * MS, "prefill", "hook"), (10 * MS, 20 * MS, "decode", "hook"),
+                 (20 * MS, 30 * MS, "decode", "hook"), (-5 * MS, 40 * MS, "decode", "nvml"))
+    bounds = np.array([10 * MS], np.int64)
+    src = ReplayedWindows(w, bounds)
+    edges = new_edges(2)
+    start = time.monotonic_ns() + 3600 * 1000 * MS  # (so that take()'s now sends nothing)
+    src.schedule(start, 0, 1.0, edges)
+    # Prefill's calls still out at 25 ms: nothing ended yet, prefill goes on to now.
+    now = start + 25 * MS
+    assert src.take() == {}  # (the clock's now is far before `start`: nothing due)
+    src._send(now, cut=False)
+    assert src.take() == {}
+    rows = src.open_rows(now)
+    assert [(r["phase"], r["start_ns"] - start, r["end_ns"] - start) for r in rows] == [
+        ("prefill", 0, 25 * MS), ("decode", -5 * MS, 25 * MS)]
+    # Prefill's last call completed at 26 ms: decode starts at 28 ms (the slot's end),
+    # its first step ends then too (squeezed to nothing: not sent), the second one when due.
+    edges[1] = start + 28 * MS
+    src._send(start + 29 * MS, cut=False)
+    got = src.take()["phase"].to_pylist()
+    assert [(r["phase"], r["start_ns"] - start, r["end_ns"] - start) for r in got] == [
+        ("prefill", 0, 28 * MS)]
+    src._send(start + 31 * MS, cut=False)
+    got += src.take()["phase"].to_pylist()
+    src.close(start + 35 * MS)
+    got += src.take()["phase"].to_pylist()
+    spans = [(r["phase"], r["source"], r["start_ns"] - start, r["end_ns"] - start) for r in got]
+    assert spans == [("prefill", "hook", 0, 28 * MS), ("decode", "hook", 28 * MS, 30 * MS),
+                     ("decode", "nvml", -5 * MS, 35 * MS)]
+    # One rule: the replay's pieces are the recording's, prefill stretched to 28 ms.
+    s, e, p = flatten(pa.Table.from_pylist(got), start - 5 * MS, start + 35 * MS)
+    assert list(zip((s - start).tolist(), (e - start).tolist(), p.tolist())) == [
+        (-5 * MS, 0, "decode"), (0, 28 * MS, "prefill"), (28 * MS, 35 * MS, "decode")]
+
+
+def test_the_replay_says_how_long_each_phase_took_against_the_recording():
+    got = SimpleNamespace(bounds=np.array([10 * MS, 20 * MS], np.int64),
+                          piece_phase=np.array(["prefill", "decode", "idle"], object))
+    p = SimpleNamespace(t0=2 * MS, issue_ns=np.array([2 * MS, 25 * MS], np.int64))
+    start = 1000 * MS
+    edges = np.array([UNKNOWN + 1, start + 16 * MS, start + 24 * MS], np.int64)
+    took = stretch(got, edges, p, 1.0, start, np.array([start + 30 * MS]))
+    want = {"prefill": (0.008, 0.016, 0.008), "decode": (0.010, 0.008, -0.002),
+            "idle": (0.005, 0.006, 0.001)}
+    assert took.keys() == want.keys()
+    for ph, figures in want.items():
+        t = took[ph]
+        assert (t["recorded_s"], t["replayed_s"], t["stretched_s"]) == pytest.approx(figures)
