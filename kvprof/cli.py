@@ -283,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay only this phase's requests (repeatable; default: all)")
     p.add_argument("--speed", type=float, default=1.0,
                    help="arrivals this many times faster than recorded (default 1)")
+    p.add_argument("--open-loop", action="store_true",
+                   help="file calls: each at its recorded time, whether or not its thread's "
+                        "call before it completed (default: each thread's calls in order, "
+                        "each after the one before, as the engine's threads made them)")
     p.add_argument("-o", "--out", help="directory of the new session")
     p.add_argument("--force", action="store_true",
                    help="write to a raw device even though it holds a filesystem or data")

@@ -147,3 +147,72 @@ def test_the_replay_says_how_long_each_phase_took_against_the_recording():
     for ph, figures in want.items():
         t = took[ph]
         assert (t["recorded_s"], t["replayed_s"], t["stretched_s"]) == pytest.approx(figures)
+
+
+def test_a_threads_calls_keep_its_order_and_pace_on_a_slower_candidate():
+    """Two recorded threads, each making 10 calls of 0.1 ms with 1 ms of its own work
+    between them, recorded on a fast device; replayed where each call takes 3 ms: a thread's
+    call goes out only after its previous one completed, and its own 1 ms later (the engine's
+    thread waits for its call, then works), so each thread's calls move by what the candidate
+    added, while the other thread's are not held by them. Open loop (no order given) sends
+    them at their recorded times, up to the lane's threads in flight."""
+    from kvprof.commands.replay import thread_order
+
+    tid = np.array([1, 2] * 10)
+    issue = np.array([k * 1_100_000 + t * 50_000 for k in range(10) for t in (0, 1)],
+                     np.int64)
+    complete = issue + 100_000
+    after, gap = thread_order(tid, issue, complete)
+    assert after.tolist()[:4] == [-1, -1, 0, 1] and gap.tolist()[2:4] == [1_000_000] * 2
+    spans = [(0, 0)] * 20
+    lock = threading.Lock()
+
+    def do(k: int, _view: memoryview) -> None:
+        began = time.monotonic_ns()
+        time.sleep(0.003)
+        with lock:
+            spans[k] = (began, time.monotonic_ns())
+
+    segment = np.zeros(20, np.int64)
+    for order in ((after, gap), (None, None)):
+        gate = Gate(np.zeros(0, np.int64), segment, new_edges(1), 0, 1.0)
+        run = _at_their_times(issue.tolist(), do, np.full(20, 4096), np.zeros(20, np.int8),
+                              8, gate, segment, *order)
+        start = time.monotonic_ns() + 20 * MS
+        run(start)
+        began = np.array([s[0] for s in spans])
+        ended = np.array([s[1] for s in spans])
+        if order[0] is not None:
+            for k in range(2, 20):  # after its own previous call, and its 1 ms of work
+                assert began[k] >= ended[k - 2] + 1_000_000, k
+            # Each thread takes 10 x (3 ms + 1 ms) less the last work, not 10 x 1.1 ms.
+            for t in (0, 1):
+                took = ended[18 + t] - began[t]
+                assert 39 * MS <= took < 60 * MS, took
+        else:  # each at its recorded time: all 20 within 11 ms of the start, overlapping
+            assert (began - start).max() < 15 * MS
+            assert any(began[k] < ended[k - 2] for k in range(2, 20))
+
+
+def test_a_shifting_gate_keeps_each_pieces_length_and_moves_the_rest():
+    """Pieces of 10 ms each; piece 0's one call completes 25 ms late: piece 1 starts then
+    (at the next slot edge) and keeps its 10 ms, piece 2 follows it, and the windows
+    ReplayedWindows sends sit at their offsets in the moved pieces."""
+    start = 1000 * SLOT_NS
+    bounds = np.array([10 * MS, 20 * MS], np.int64)
+    edges = new_edges(3)
+    g = Gate(bounds, np.array([0]), edges, 0, 1.0, shift=True)
+    g.begin(start)
+    g.done(0, start + 25 * MS)
+    assert edges[1] == start + 28 * MS  # 25 ms is inside the slot [24, 28) ms
+    assert edges[2] == start + 38 * MS  # piece 1's 10 ms, not its recorded 20 ms mark
+    assert g.due_in(2, 23 * MS) == start + 41 * MS
+    w = ReplayedWindows(pa.table({"start_ns": [0, 10 * MS, 20 * MS],
+                                  "end_ns": [10 * MS, 20 * MS, 30 * MS],
+                                  "phase": ["prefill", "decode", "prefill"],
+                                  "source": ["hook"] * 3, "prefill_tokens": [1, 0, 1],
+                                  "decode_tokens": [0, 1, 0]}), bounds)
+    w.schedule(start, 0, 1.0, edges, shift=True)
+    got, known = w.warp(np.array([5 * MS, 15 * MS, 25 * MS], np.int64))
+    assert known.all()
+    assert got.tolist() == [start + 5 * MS, start + 33 * MS, start + 43 * MS]

@@ -718,8 +718,9 @@ class SqlRows(RowSource):
         """Every syscall-layer read, write, fsync and fdatasync on a file: phase (the
         report's rule), file (its inode, else its path), path, KV cache, op, syscall,
         O_DIRECT, offset,
-        bytes done and asked, bytes it put into the page cache (NULL: unknown), issue time, in
-        issue order: what a replay on a filesystem issues. Empty writes and failed calls are
+        bytes done and asked, bytes it put into the page cache (NULL: unknown), issue and
+        completion time, the thread that made it, in issue order: what a replay on a
+        filesystem issues. Empty writes and failed calls are
         left out; a read at the end of a file (0 bytes) is a call the engine made, kept.
         No rows for a session without the layer or recorded before file offsets."""
         if {"file_offset", "inode", "fetched_bytes"} & set(missing_columns(self.cur, "io")):
@@ -731,7 +732,8 @@ class SqlRows(RowSource):
                        io.path, io.cache, io.op, io.syscall,
                        (io.flags & {schema.FLAG_DIRECT}) <> 0 AS direct,
                        io.file_offset AS offset, io.bytes, io.bytes_asked AS asked,
-                       io.fetched_bytes AS fetched, io.issue_ns
+                       io.fetched_bytes AS fetched, io.issue_ns, io.complete_ns,
+                       io.pid AS tid
                 FROM (SELECT * FROM io WHERE layer = 'syscall' AND error = 0
                       AND (op = 'flush' OR (op IN ('read', 'write') AND file_offset IS NOT NULL
                                             AND (op = 'read' OR bytes > 0)))) io

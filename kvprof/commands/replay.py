@@ -128,12 +128,19 @@ class Gate:
     (schema.SLOT_NS) the start falls in, the start moves to the next slot: no slot of the
     aggregate tier then holds requests of two phases, and it folds each request as the
     events do. The threads wait on a condition; those of one process share it (a file replay
-    runs them in its own process, `edges` in a shared mapping)."""
+    runs them in its own process, `edges` in a shared mapping).
+
+    `shift` (a replay that keeps each recorded thread's order): a piece is due its recorded
+    length after the previous one started, not at its time on the recording's clock, and its
+    calls at their offsets from its start (`due_in`): a piece the candidate stretched moves
+    every later one, as a step that waited longer for its loads moves the engine's next
+    steps; ReplayedWindows maps the windows the same way."""
 
     def __init__(self, bounds: np.ndarray, segment: np.ndarray, edges: np.ndarray,
-                 t0: int, speed: float) -> None:
+                 t0: int, speed: float, shift: bool = False) -> None:
         self.bounds = np.asarray(bounds, np.int64)
         self.edges = edges
+        self.shift = shift
         self.left = np.bincount(np.asarray(segment, np.int64),
                                 minlength=len(self.bounds) + 1).tolist()
         self.t0, self.speed = t0, speed
@@ -146,14 +153,30 @@ class Gate:
     def begin(self, start_ns: int) -> None:
         """The replay's first call is due at `start_ns`: the pieces up to the first with
         calls start when they were due."""
+        self._start = start_ns
         self._due = [start_ns + d for d in _due(self.bounds, self.t0, self.speed)]
         with self._cond:
             self._advance()
 
+    def piece_start(self, j: int) -> tuple[int, int]:
+        """Piece j's start on the replay's clock (decided) and on the recording's (the first
+        piece's: the first call's, t0)."""
+        if j == 0:
+            return self._start, self.t0
+        return int(self.edges[j]), int(self.bounds[j - 1])
+
+    def due_in(self, j: int, issue_ns: int) -> int:
+        """When a call recorded at issue_ns, of piece j (whose start is decided), is due in a
+        shifting replay: at its offset from the piece's start."""
+        at, rec = self.piece_start(j)
+        return at + int((issue_ns - rec) / self.speed)
+
     def _advance(self) -> None:
         while self._next < len(self.left) and self.left[self._next - 1] == 0:
             j = self._next
-            at = max(self._due[j - 1], int(self.edges[j - 1]), self._latest)
+            due = (self.due_in(j - 1, int(self.bounds[j - 1])) if self.shift
+                   else self._due[j - 1])
+            at = max(due, int(self.edges[j - 1]), self._latest)
             if at % SLOT_NS and self._latest > at - at % SLOT_NS:
                 at += SLOT_NS - at % SLOT_NS
             self.edges[j] = at
@@ -183,7 +206,9 @@ class Gate:
 
 def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
                     sizes: np.ndarray, lanes: np.ndarray, jobs: int,
-                    gate: Gate, segment: np.ndarray) -> Callable[[int], None]:
+                    gate: Gate, segment: np.ndarray, after: np.ndarray | None = None,
+                    gap: np.ndarray | None = None, speed: float = 1.0,
+                    issue_ns: np.ndarray | None = None) -> Callable[[int], None]:
     """A runner that, given start_ns, calls do(k, buffer) for each k at start_ns + due[k]
     (monotonic ns), or at the start of its phase piece (`gate`, `segment[k]`) where that is
     later, and returns when all are done. Each lane (the calls with one `lanes` value: reads,
@@ -192,7 +217,11 @@ def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
     completed (open loop, up to `jobs` in flight a lane), and within a phase piece writes a
     slow candidate holds back hold back no reads, as an engine's store and load threads do
     not wait on each other; a call of the next piece waits until every call of the pieces
-    before has completed (Gate), as it must to be issued in its own phase. The threads
+    before has completed (Gate), as it must to be issued in its own phase. With `after`
+    (call k may not go out before call after[k] completed, and then only gap[k] ns later,
+    at `speed`), the calls of one recorded thread keep its order and its pace: a thread of
+    the engine waited for each call before it went on. A shifting gate (Gate.shift) places
+    a call at its recorded offset in its piece (`issue_ns`: the recorded times). The threads
     sleep rather than spin (the candidate's I/O needs the CPU) and leave the GIL in the calls
     themselves; `sizes[k]`: the buffer call k needs. Everything is set up here, before the
     start (buffers, threads): a traced process replaying makes no other calls once it
@@ -205,6 +234,21 @@ def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
     data = os.urandom(max(int(sizes.max()), 4096))  # what writes carry: incompressible
     start = [0]
     seg = np.asarray(segment, np.int64).tolist()
+    prev = [-1] * len(due) if after is None else np.asarray(after, np.int64).tolist()
+    pause = [0] * len(due) if gap is None else (np.asarray(gap, np.float64) / speed
+                                               ).astype(np.int64).tolist()
+    ordered = any(j >= 0 for j in prev)
+    rec = [] if issue_ns is None else np.asarray(issue_ns, np.int64).tolist()
+    done_ns = [0] * len(due)
+    completed = threading.Condition()
+
+    def after_previous(k: int) -> int | None:
+        """When call k may go out after its thread's previous call; None: stopping."""
+        j = prev[k]
+        with completed:
+            while not done_ns[j] and not errors:
+                completed.wait(0.5)
+        return None if errors else done_ns[j] + pause[k]
 
     def work(mine: list[int], order: Iterator[int], view: memoryview) -> None:
         try:
@@ -218,14 +262,26 @@ def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
                     edge = gate.wait(seg[k])
                     if edge is None:
                         return
-                    at = max(at, edge)
+                    at = gate.due_in(seg[k], rec[k]) if gate.shift else max(at, edge)
+                if prev[k] >= 0:
+                    ready = after_previous(k)
+                    if ready is None:
+                        return
+                    at = max(at, ready)
                 while (wait := at - time.monotonic_ns()) > 0:
                     time.sleep(wait / 1e9)
                 do(k, view)
-                gate.done(seg[k], time.monotonic_ns())
+                now = time.monotonic_ns()
+                gate.done(seg[k], now)
+                if ordered:
+                    with completed:
+                        done_ns[k] = now
+                        completed.notify_all()
         except BaseException as e:  # noqa: BLE001 (raised in the caller's thread)
             errors.append(e)
             gate.abort()
+            with completed:
+                completed.notify_all()
 
     threads = []
     for lane in np.unique(lanes).tolist():
@@ -299,7 +355,12 @@ class FilePlan:
     cold (a buffered read that put pages into the page cache in the recording), phase,
     recorded issue time; `lay_down`: per file read before the replay writes it, the bytes
     laid down before the replay (as far as its reads reached), so they read what the
-    recording read. `segment`: each call's phase piece (Gate)."""
+    recording read. `segment`: each call's phase piece (Gate). `after`: the call the same
+    recorded thread made before it (-1: none) and `gap`: the ns that thread took between
+    that call's completion and this one's issue (its own work; -1 everywhere: an open-loop
+    replay, each call at its time alone), so a
+    thread's calls go out in its order, each after the one before completed, as the engine's
+    thread waited for each."""
     file: np.ndarray
     paths: list[str]
     caches: list[str]  # each file's KV cache, as the recording labelled it
@@ -313,16 +374,42 @@ class FilePlan:
     issue_ns: np.ndarray
     lay_down: dict[int, int]
     segment: np.ndarray
+    after: np.ndarray
+    gap: np.ndarray
 
     @property
     def t0(self) -> int:
         return int(self.issue_ns[0])
 
+    @property
+    def threads(self) -> int:
+        """How many recorded threads' orders the replay keeps (0: open loop)."""
+        return int(((self.after < 0) & (self.gap >= 0)).sum())
+
+
+def thread_order(tid: np.ndarray, issue_ns: np.ndarray, complete_ns: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Per call (in issue order), the index of the call its thread made before it (-1 for a
+    thread's first) and the ns between that one's completion and this one's issue (0 where
+    the clocks put it before: a call's issue is stamped before its completion is)."""
+    after = np.full(len(tid), -1, np.int64)
+    last: dict[int, int] = {}
+    for k, t in enumerate(tid.tolist()):
+        if t in last:
+            after[k] = last[t]
+        last[t] = k
+    gap = np.zeros(len(tid), np.int64)
+    has = after >= 0
+    gap[has] = np.maximum(issue_ns[has] - complete_ns[after[has]], 0)
+    gap[~has] = 0
+    return after, gap
+
 
 def file_plan(calls: pa.Table, phases: list[str], caches: list[str],
-              bounds: np.ndarray | None = None) -> FilePlan:
+              bounds: np.ndarray | None = None, open_loop: bool = False) -> FilePlan:
     """The recorded file calls (SqlRows.file_calls) of `phases` on the files of `caches`
-    (all when empty)."""
+    (all when empty); each thread's calls in its order (`open_loop`: each at its time
+    alone)."""
     import pyarrow.compute as pc
 
     if calls.num_rows and phases:
@@ -362,9 +449,13 @@ def file_plan(calls: pa.Table, phases: list[str], caches: list[str],
         if first_write.get(f, len(kind)) > k:  # read before the replay writes it
             lay_down[f] = max(lay_down.get(f, 0), int(offset[k] + size[k]))
     issue = col("issue_ns", np.int64)
+    if open_loop or not key or "tid" not in calls.column_names:
+        after, gap = np.full(len(issue), -1, np.int64), np.full(len(issue), -1, np.int64)
+    else:
+        after, gap = thread_order(col("tid", np.int64), issue, col("complete_ns", np.int64))
     return FilePlan(file, paths, labels, kind, col("direct", bool), offset, size, ask, cold,
                     calls["phase"].to_pylist() if key else [], issue, lay_down,
-                    pieces_of(issue, bounds))
+                    pieces_of(issue, bounds), after, gap)
 
 
 def _name(root: Path, fp: FilePlan, f: int) -> Path:
@@ -444,7 +535,8 @@ def issue_files(fp: FilePlan, root: Path, speed: float, gate: Gate, jobs: int = 
             raise
 
     replay = _at_their_times(_due(fp.issue_ns, fp.t0, speed), do, fp.ask,
-                             np.minimum(fp.kind, 2), jobs, gate, fp.segment)
+                             np.minimum(fp.kind, 2), jobs, gate, fp.segment, fp.after,
+                             fp.gap, speed, fp.issue_ns)
 
     def run(start_ns: int) -> None:
         try:
@@ -477,7 +569,8 @@ def child() -> None:
     with open(sys.argv[4], "r+b") as f:
         shared = mmap.mmap(f.fileno(), 0)
     edges = np.frombuffer(shared, np.int64, len(bounds) + 1)
-    run = issue_files(fp, root, speed, Gate(bounds, fp.segment, edges, fp.t0, speed))
+    run = issue_files(fp, root, speed, Gate(bounds, fp.segment, edges, fp.t0, speed,
+                                            shift=fp.threads > 0))
     print("ready", flush=True)
     start = int(sys.stdin.readline())
     try:
@@ -488,18 +581,27 @@ def child() -> None:
 
 
 def lag(p: Plan | FilePlan, issued_ns: np.ndarray, issued_bytes: np.ndarray,
-        speed: float, start_ns: int) -> dict[str, dict[str, float]]:
+        speed: float, start_ns: int, shifted: tuple[np.ndarray, np.ndarray] | None = None
+        ) -> dict[str, dict[str, float]]:
     """Per phase, how late the candidate issued requests against the schedule (the first
     due at `start_ns`, when the new session's windows were moved to), in seconds: for each
     planned request, when the replay had issued as many bytes as the plan had by then (bytes
     rather than the k-th request: a device may merge or split them), against when it was
-    due."""
+    due. `shifted` (bounds, edges of a shifting replay, Gate.shift): a request was due at
+    its offset from its piece's start."""
     if len(issued_ns) == 0:
         return {}
     order = np.argsort(issued_ns, kind="stable")
     at, done = issued_ns[order], np.cumsum(issued_bytes[order])
     k = np.minimum(np.searchsorted(done, np.cumsum(p.size), side="left"), len(at) - 1)
-    late = np.maximum((at[k] - start_ns) - (p.issue_ns - p.t0) / speed, 0) / 1e9
+    due = start_ns + (p.issue_ns - p.t0) / speed
+    if shifted is not None:
+        bounds, edges = shifted
+        seg = np.asarray(p.segment, np.int64)
+        began = np.where(seg > 0, bounds[np.maximum(seg - 1, 0)] if len(bounds) else 0, p.t0)
+        piece = np.where(seg > 0, np.asarray(edges, np.int64)[seg], start_ns)
+        due = piece + (p.issue_ns - began) / speed
+    late = np.maximum(at[k] - due, 0) / 1e9
     phases = np.array(p.phase, dtype=object)
     out = {}
     for ph in sorted(set(p.phase)):
@@ -583,7 +685,7 @@ def _replayed(out: Path, under: Path | None = None) -> tuple[np.ndarray, np.ndar
 
 
 def _recording_while(opts, windows, edges: np.ndarray, t0: int, last: int, lead_ns: int,
-                     speed: float, go: Callable[[int], None]) -> int:
+                     speed: float, go: Callable[[int], None], shift: bool = False) -> int:
     """Record the candidate (`opts`: the new session, `windows` among its feeds, sent where
     the replay puts each phase piece: `edges`) while go(start_ns) replays: the recording's
     t0 at start_ns, `lead_ns` after attaching. Returns start_ns."""
@@ -615,7 +717,7 @@ def _recording_while(opts, windows, edges: np.ndarray, t0: int, last: int, lead_
                      daemon=True).start()
     try:
         start = time.monotonic_ns() + lead_ns
-        windows.schedule(start, t0, speed, edges)
+        windows.schedule(start, t0, speed, edges, shift)
         go(start)
     finally:
         done.set()
@@ -628,8 +730,8 @@ def _recording_while(opts, windows, edges: np.ndarray, t0: int, last: int, lead_
 
 
 def replay(session: str, on: str, phases: list[str], speed: float, out: str | None,
-           force: bool = False, layer: str | None = None, caches: list[str] | None = None
-           ) -> dict:
+           force: bool = False, layer: str | None = None, caches: list[str] | None = None,
+           open_loop: bool = False) -> dict:
     from kvprof.commands.export import recorded
     from kvprof.commands.record import default_out
     from kvprof.phases.replayed import ReplayedWindows
@@ -645,7 +747,8 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
     # (phases=["marks"]: nothing discovered on this host).
     windows = ReplayedWindows(got.windows, got.bounds)
     if layer == "syscall":
-        result = _replay_files(got, session, on, phases, speed, dest, windows, caches or [])
+        result = _replay_files(got, session, on, phases, speed, dest, windows, caches or [],
+                               open_loop)
     else:
         result = _replay_block(got, session, on, phases, speed, dest, windows, force)
     return {"session": str(dest), "candidate": on, "layer": layer, "speed": speed, **result}
@@ -706,7 +809,7 @@ def _replay_block(got, session: str, on: str, phases: list[str], speed: float, d
 
 
 def _replay_files(got, session: str, on: str, phases: list[str], speed: float, dest: Path,
-                  windows, caches: list[str]) -> dict:
+                  windows, caches: list[str], open_loop: bool = False) -> dict:
     """The recording's file calls, made on files in a scratch directory under `on` by a
     process of its own, which the new session traces (syscall layer, by its pid) with the
     block requests it makes on the directory's device."""
@@ -733,7 +836,7 @@ def _replay_files(got, session: str, on: str, phases: list[str], speed: float, d
             print(f"kvprof: replaying the file calls of {', '.join(found)}"
                   + (f"; {others} calls on other files left out (--cache NAME for each cache "
                      "to replay, `other` for the rest)" if others else ""), file=sys.stderr)
-    fp = file_plan(got.calls, phases, caches, got.bounds)
+    fp = file_plan(got.calls, phases, caches, got.bounds, open_loop)
     if len(fp.issue_ns) == 0:
         raise KvprofError(f"{session}: no file reads, writes or syncs recorded (syscall layer, "
                           "with their offsets)" + (f" in {', '.join(phases)}" if phases else "")
@@ -784,7 +887,7 @@ def _replay_files(got, session: str, on: str, phases: list[str], speed: float, d
                                   EX_DATAERR)
 
         start = _recording_while(opts, windows, edges, fp.t0, int(fp.issue_ns[-1]),
-                                 _lead(fp, got.start_ns, speed), speed, go)
+                                 _lead(fp, got.start_ns, speed), speed, go, fp.threads > 0)
         edges = edges.copy()
     finally:
         if proc is not None and proc.poll() is None:
@@ -797,20 +900,26 @@ def _replay_files(got, session: str, on: str, phases: list[str], speed: float, d
             "files": len(fp.paths), "laid_down": {"files": len(fp.lay_down),
                                                   "bytes": sum(fp.lay_down.values())},
             "direct_calls": int(fp.direct.sum()), "syncs": int((fp.kind >= 2).sum()),
+            "threads": fp.threads,
             "replayed": int(len(issued)), "replayed_bytes": int(sizes.sum()),
-            "lag": lag(fp, issued, sizes, speed, start),
+            "lag": lag(fp, issued, sizes, speed, start,
+                       (got.bounds, edges) if fp.threads else None),
             "phases": stretch(got, edges, fp, speed, start, issued)}
 
 
 def run(args: argparse.Namespace) -> int:
     result = replay(args.session, args.on, args.phase, args.speed, args.out, args.force,
-                    args.layer, args.cache)
+                    args.layer, args.cache, args.open_loop)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     what = "file calls" if result["layer"] == "syscall" else "requests"
     print(f"kvprof: replayed {result['requests']} {what} of {args.session} on {args.on} "
           f"(x{result['speed']:g}); new session {result['session']}")
+    if result.get("threads"):
+        print(f"  the {result['threads']} recorded threads' calls in their order, each after "
+              "the one before it completed and the thread's own time between them: a call "
+              "the candidate serves later moves the rest of its thread, as in the engine")
     for ph, lg in result["lag"].items():
         verdict = ("kept up" if lg["p99_s"] < 0.01 else
                    f"fell behind: p99 {lg['p99_s']:.2f} s, at most {lg['max_s']:.2f} s late")

@@ -55,14 +55,18 @@ class ReplayedWindows(PhaseSource):
         self._sent = np.zeros(len(self._w), bool)
         self._at: tuple[int, int, float] | None = None
         self._edges: np.ndarray | None = None
+        self._shift = False
 
     def schedule(self, start_ns: int, t0_ns: int, speed: float,
-                 edges: np.ndarray | None = None) -> None:
+                 edges: np.ndarray | None = None, shift: bool = False) -> None:
         """The recording's time `t0_ns` falls at `start_ns` (monotonic) in the replay, which
         runs `speed` times as fast; `edges`: where each piece starts in the replay, as the
-        replay decides it (new_edges; read, never written here), none: where it was due."""
+        replay decides it (new_edges; read, never written here), none: where it was due;
+        `shift` (the replay's Gate.shift): a time in a piece lies at its offset from the
+        piece's start, so a stretched piece moves every later window."""
         self._at = (int(start_ns), int(t0_ns), float(speed))
         self._edges = edges
+        self._shift = shift
 
     def warp(self, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Recording times on the replay's clock, and whether each is decided yet."""
@@ -71,8 +75,13 @@ class ReplayedWindows(PhaseSource):
         moved = start + ((t - t0) / speed).astype(np.int64)
         if self._edges is None:
             return moved, np.ones(len(t), bool)
-        edge = np.array(self._edges)[np.searchsorted(self._bounds, t, side="right")]
+        piece = np.searchsorted(self._bounds, t, side="right")
+        edge = np.array(self._edges)[piece]
         known = edge != UNKNOWN
+        if self._shift:
+            began = self._bounds[np.maximum(piece - 1, 0)] if len(self._bounds) else t0
+            offset = edge + ((t - began) / speed).astype(np.int64)
+            return np.where(piece == 0, moved, np.where(known, offset, moved)), known
         return np.where(known, np.maximum(moved, edge), moved), known
 
     def _row(self, i: int, start: int, end: int) -> dict:
