@@ -5,7 +5,9 @@ dotted names a gate can use: `<phase>.<op>.bandwidth`, `.iops`, `.p50`, `.p99` (
 device layer), `<phase>.time_share`, `.time_idle`, `.capacity_idle`, `.inflight` (requests in
 flight while the device was busy), `.tokens_per_s`, and the engines' `ttft`, `itl`,
 `throughput`, `prefix_hit`. Each session's findings come with the figures, so the comparison
-says what bound A and what bound B.
+says what bound A and what bound B; where the requests in flight changed, what the latency
+did says whether the device served the extra ones side by side (it was latency-bound) or
+shared its bandwidth among them (`changes`).
 
 A gate `NAME=+30%` passes when B is at least 30 % above A; `NAME=-25%` when B is at least 25 %
 below A. A gate on a figure one of the sessions lacks fails, saying so.
@@ -132,7 +134,59 @@ def compare(a: Summary, b: Summary, gates: Sequence[Gate] = ()) -> dict:
     return {"a": _who(a), "b": _who(b), "figures": rows, "gates": verdicts,
             "findings": {"a": [f.as_dict() for f in findings(a)],
                          "b": [f.as_dict() for f in findings(b)]},
+            "changes": depth_changes(by_name),
             "passed": all(v["passed"] for v in verdicts)}
+
+
+# Requests in flight changed by at least this factor between A and B: what the latency did
+# then tells a device that served the extra requests side by side (its latency held: the
+# fewer were waiting on it, latency-bound) from one whose bandwidth they shared (each waited
+# longer in proportion).
+DEPTH_STEP = 1.5
+SAME_LATENCY = 1.25  # p50 ratio at most this: held
+SHARED = 0.75  # p50 ratio at least this share of the depth ratio: shared
+
+
+def depth_changes(by_name: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per phase and op whose requests in flight changed by DEPTH_STEP or more, what its p50
+    and bandwidth did, and what that says of the device (`verdict`: `overlapped`, `shared`
+    or `between`), with the figures it rests on."""
+    out = []
+    for p in schema.PHASES:
+        depth = by_name.get(f"{p}.inflight")
+        if not depth or not depth["a"] or not depth["b"]:
+            continue
+        rd = depth["b"] / depth["a"]
+        if 1 / DEPTH_STEP < rd < DEPTH_STEP:
+            continue
+        for op in MAIN_OPS:
+            lat, bw = by_name.get(f"{p}.{op}.p50"), by_name.get(f"{p}.{op}.bandwidth")
+            if not lat or not bw or not all((lat["a"], lat["b"], bw["a"], bw["b"])):
+                continue
+            deeper, shallower = ("b", "a") if rd > 1 else ("a", "b")
+            rl = lat[deeper] / lat[shallower]
+            rdd = max(rd, 1 / rd)
+            if rl <= SAME_LATENCY:
+                verdict, says = "overlapped", (
+                    f"the device served the extra requests side by side without their waiting "
+                    f"longer: with {depth[shallower]:.1f} in flight it was latency-bound, "
+                    f"waiting on too few requests, not at its bandwidth")
+            elif rl >= SHARED * rdd:
+                verdict, says = "shared", (
+                    "each request waited longer in proportion: the extra requests shared the "
+                    "device's bandwidth, its limit")
+            else:
+                verdict, says = "between", (
+                    "each request waited somewhat longer: the device overlapped part of them")
+            out.append({
+                "phase": p, "op": op, "verdict": verdict,
+                "text": (f"{p} {op}s: {depth['a']:.2f} -> {depth['b']:.2f} requests in flight, "
+                         f"p50 {value_text('us', lat['a'])} -> {value_text('us', lat['b'])}, "
+                         f"bandwidth x{bw['b'] / bw['a']:.2f}: {says}"),
+                "figures": {f"{p}.inflight": [depth["a"], depth["b"]],
+                            f"{p}.{op}.p50": [lat["a"], lat["b"]],
+                            f"{p}.{op}.bandwidth": [bw["a"], bw["b"]]}})
+    return out
 
 
 def _who(s: Summary) -> dict:
@@ -168,6 +222,9 @@ def to_text(result: dict, name_a: str, name_b: str) -> str:
             change += {True: " better", False: " worse", None: ""}[r["better"]]
         lines.append(f"{r['label'][:29]:<30}{value_text(r['unit'], r['a']):>12}"
                      f"{value_text(r['unit'], r['b']):>12}  {change}".rstrip())
+    if result.get("changes"):
+        lines += ["", "what the depth changed:"] + [f"  - {c['text']}"
+                                                     for c in result["changes"]]
     for side, name in (("a", name_a), ("b", name_b)):
         found = result.get("findings", {}).get(side) or []
         if found:

@@ -124,9 +124,11 @@ def build_model(out: Path) -> Path:
     return out
 
 
-def start_with_connector(workdir: Path, root: Path, backend: str, **options) -> Server:
+def start_with_connector(workdir: Path, root: Path, backend: str, max_model_len: int = 2048,
+                         args: tuple[str, ...] = (), **options) -> Server:
     """Served with the tests' KV connector (kv_connector.py) offloading to `root` through
-    `backend`; what it did goes to workdir/connector.jsonl. The dev-mode endpoint
+    `backend` (`args`: more of vLLM's options); what it did goes to
+    workdir/connector.jsonl. The dev-mode endpoint
     /reset_prefix_cache drops the engine's own prefix cache, as when its memory is needed,
     so a prefix comes back from disk."""
     config = {"kv_connector": "KvprofTestConnector",
@@ -134,13 +136,15 @@ def start_with_connector(workdir: Path, root: Path, backend: str, **options) -> 
               "kv_connector_extra_config": {"backend": backend, "root": str(root),
                                             "log": str(workdir / "connector.jsonl"),
                                             "options": options}}
-    return start(workdir, args=("--kv-transfer-config", json.dumps(config)),
+    return start(workdir, args=("--kv-transfer-config", json.dumps(config), *args),
+                 max_model_len=max_model_len,
                  extra_env={"PYTHONPATH": str(REPO), "VLLM_SERVER_DEV_MODE": "1"})
 
 
 def start(workdir: Path, timeout_s: float = 600, args: tuple[str, ...] = (),
-          extra_env: dict[str, str] | None = None) -> Server:
-    """`args`, `extra_env`: more of vLLM's options and environment (a test's KV connector)."""
+          extra_env: dict[str, str] | None = None, max_model_len: int = 2048) -> Server:
+    """`args`, `extra_env`: more of vLLM's options and environment (a test's KV connector);
+    `max_model_len` up to the model's 4 096 positions."""
     model = build_model(workdir / "model")
     port = _free_port()
     sock = str(workdir / "marks.sock")
@@ -157,7 +161,7 @@ def start(workdir: Path, timeout_s: float = 600, args: tuple[str, ...] = (),
             [str(venv() / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
              "--model", str(model), "--served-model-name", MODEL_NAME,
              "--host", "127.0.0.1", "--port", str(port),
-             "--max-model-len", "2048", "--dtype", "bfloat16", *args],
+             "--max-model-len", str(max_model_len), "--dtype", "bfloat16", *args],
             stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
             start_new_session=True)
     server = Server(proc, f"http://127.0.0.1:{port}", sock, log, 0.0)
