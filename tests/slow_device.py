@@ -86,9 +86,9 @@ def up(dir: Path, read_ms: int = 2, write_ms: int = 2, rate_bps: int | None = No
     args = ["nbdkit", "--unix", str(sock), "-P", str(dir / "nbdkit.pid"), "--threads", "64",
             "--filter=delay"]
     extra = [f"rdelay={int(read_ms)}ms", f"wdelay={int(write_ms)}ms"]
-    if rate_bps:  # nbdkit counts bits
+    if rate_bps:  # nbdkit counts bits; a burst of 50 ms of the rate, not its default 2 s
         args.append("--filter=rate")
-        extra.append(f"rate={int(rate_bps) * 8}")
+        extra += [f"rate={int(rate_bps) * 8}", "burstiness=0.05"]
     try:
         with open(dir / "nbdkit.log", "wb") as log:
             kit = subprocess.run([*args, "memory", f"size={size}", *extra],

@@ -428,9 +428,12 @@ def _documents(server, seed: int, rounds: int = 3, words: int = 1200) -> None:
 
 def test_a_replay_on_a_slow_candidate_against_the_engine_run_there(loopdev, slow_device,
                                                                    tmp_path, start_recorder):
-    """The fs tier's I/O recorded on a fast device, replayed on a slow candidate, and the same
-    engine work run on that candidate: per phase, the replay's figures beside the engine's
-    own there."""
+    """The fs tier's I/O recorded on a fast device, replayed on a candidate whose requests
+    wait 2 ms, and the same engine work run on that candidate: the replay predicts the
+    engine's own run there. The fs tier stores a step's blocks one after another and the
+    step waits for them, so an open-loop replay (each call at its recorded time, ~0.2 ms
+    apart) would put them all in flight at once, at a latency and in a time the engine never
+    sees; the replay keeps the engine thread's order and pace instead."""
     from tests.conftest import mounted_ext4
 
     slow = slow_device(read_ms=2, write_ms=2, size=1 << 30)
