@@ -111,7 +111,7 @@ def svg(points: list[dict], path: Path) -> None:
             continue
         xs = [p["value"] for p in pts]
         ys = [p[k] for p in pts for k in colours if p[k] is not None]
-        ymax = max(ys) * 1.1 if ys else 1.0
+        ymax = (max(ys) * 1.1 if ys else 0.0) or 1.0
         xmin, xmax = min(xs), max(xs)
 
         def sx(x: float) -> float:
@@ -181,8 +181,8 @@ def main() -> int:
                        rate_MBps=None if rate is None else rate / 1e6)
             points.append(got)
             pre, dec = got["prefill"], got["decode"]
-            print(f"{knob:5} {value:6g}: TTFT {got['ttft_ms']:7.1f} ms, ITL "
-                  f"{got['itl_ms']:6.2f} ms | prefill write {pre['write_MBps']:7.1f} MB/s p50 "
+            print(f"{knob:5} {value:6g}: TTFT {got['ttft_ms'] or 0:7.1f} ms, ITL "
+                  f"{got['itl_ms'] or 0:6.2f} ms | prefill write {pre['write_MBps']:7.1f} MB/s p50 "
                   f"{pre['write_p50_us'] or 0:7.0f} us, read {pre['read_MBps']:7.1f} MB/s "
                   f"p50 {pre['read_p50_us'] or 0:7.0f} us, busy {pre['busy_pct'] or 0:5.1f} % "
                   f"| decode reads {dec['read_ios']}, writes {dec['write_ios']}, busy "

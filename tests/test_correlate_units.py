@@ -170,8 +170,9 @@ def _sweep_busy(begin: list[int], end: list[int], pieces: list[tuple[int, int, s
 def test_inflight_mean_is_the_summed_device_time_over_the_busy_time(tmp_path, seed):
     """Block requests of 1 to 6 readers at a time, each at QD1 (some through a scheduler's
     queue, some on a second device), in the sample's phase windows: per phase and device, the
-    report's `inflight_mean` is the requests' summed issue-to-completion time (grouped by the
-    window holding their issue time, in DuckDB) over the time some request was in flight
+    report's `inflight_mean` is the requests' summed time in flight, from insert (or issue)
+    to completion (grouped by the window holding their issue time, in DuckDB), over the time
+    some request was in flight
     (a sweep over every edge); SQL and the dashboard's row cache say the same."""
     import shutil
     from pathlib import Path
@@ -221,7 +222,8 @@ def test_inflight_mean_is_the_summed_device_time_over_the_busy_time(tmp_path, se
                               0::UBIGINT AS sector, 1::UINTEGER AS pid, 1::UINTEGER AS tgid,
                               'reader' AS comm, 0 AS error FROM synthetic""")
         issued = con.execute("""
-            SELECT coalesce(w.phase, 'idle'), io.dev_name, sum(complete_ns - issue_ns)
+            SELECT coalesce(w.phase, 'idle'), io.dev_name,
+                   sum(complete_ns - CASE WHEN insert_ns > 0 THEN insert_ns ELSE issue_ns END)
             FROM io LEFT JOIN phase w ON io.issue_ns >= w.start_ns AND io.issue_ns < w.end_ns
             WHERE io.layer = 'block' GROUP BY ALL""").fetchall()
         windows = con.execute("SELECT start_ns, end_ns, phase FROM phase ORDER BY 1").fetchall()
@@ -260,22 +262,22 @@ def test_inflight_mean_is_the_summed_device_time_over_the_busy_time(tmp_path, se
 
 
 def test_inflight_mean_from_the_aggregate_tier_where_events_are_missing():
-    """The exact section's per device: its block requests' summed service time over its busy
-    time (io_uring's service time is not the device's); all devices together only for one
-    device, as time idle."""
+    """The exact section's per device: its block requests' summed queue and service time
+    (from insert, as the busy word counts) over its busy time (io_uring's service time is
+    not the device's); all devices together only for one device, as time idle."""
     from types import SimpleNamespace
 
     from kvprof.analysis.correlate import _exact, _idle_from_exact
     from kvprof.analysis.rowsource import AggRow, BusyRow, Pieces, ViewFilter
 
-    def agg(phase, layer, dev, service_ms):
+    def agg(phase, layer, dev, service_ms, queue_ms=0):
         hist = [0] * 40
         hist[21] = 10
-        return AggRow(phase, layer, "read", 10, 10 << 18, 0, service_ms * 1_000_000, hist,
-                      hist, hist, False, dev)
+        return AggRow(phase, layer, "read", 10, 10 << 18, queue_ms * 1_000_000,
+                      service_ms * 1_000_000, hist, hist, hist, False, dev)
 
     rows = [agg("decode", "block", "sda", 300), agg("decode", "block", "sda", 100),
-            agg("decode", "io_uring", "sda", 900), agg("decode", "block", "sdb", 50),
+            agg("decode", "io_uring", "sda", 900), agg("decode", "block", "sdb", 40, 10),
             agg("prefill", "block", "sda", 80)]
     busy = [BusyRow("decode", "sda", 200_000_000), BusyRow("decode", "sdb", 50_000_000),
             BusyRow("prefill", "sda", 80_000_000), BusyRow("idle", "sda", 10_000_000)]

@@ -187,10 +187,8 @@ def test_a_threads_calls_keep_its_order_and_pace_on_a_slower_candidate():
                 assert began[k] >= ended[k - 2] + 1_000_000, k
             # Each thread takes 10 x (3 ms + 1 ms) less the last work, not 10 x 1.1 ms.
             for t in (0, 1):
-                took = ended[18 + t] - began[t]
-                assert 39 * MS <= took < 60 * MS, took
-        else:  # each at its recorded time: all 20 within 11 ms of the start, overlapping
-            assert (began - start).max() < 15 * MS
+                assert ended[18 + t] - began[t] >= 39 * MS
+        else:  # each at its recorded time: a thread's calls overlap its earlier ones
             assert any(began[k] < ended[k - 2] for k in range(2, 20))
 
 

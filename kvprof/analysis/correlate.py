@@ -356,7 +356,9 @@ def _exact(rows: RowSource, times: dict[str, float], pieces: Pieces, view: ViewF
     edge: dict[str, int] | None = None
     for a in agg:
         if a.layer == "block":
-            served[(a.phase, a.device)] = served.get((a.phase, a.device), 0) + int(a.service_ns)
+            # (from insert, as the busy word counts: queue and service time)
+            served[(a.phase, a.device)] = served.get((a.phase, a.device), 0) + \
+                int(a.service_ns) + int(a.queue_ns)
         if a.cut is not None:
             edge = edge or {q: 0 for q in schema.PHASES}
             edge[a.phase] += int(a.ios) if a.cut else 0

@@ -100,7 +100,7 @@ def _build(r: Rows, start: int, end: int, phase: str, cell: int, seen: int) -> U
     dev = r.dev.astype(np.int64) + 1
     # Float weights are exact below 2**53 ns (104 days) of device time a second.
     block_ns = np.bincount(dev, weights=np.where(r.layer == BLOCK, np.maximum(
-        r.complete - r.issue, 0), 0)).astype(np.int64)
+        r.complete - r.start, 0), 0)).astype(np.int64)
     return Unit(start, end, phase, cell, seen, ios, nbytes, size_h, lat_h, tuple(values),
                 tuple(keys), tuple(bounds), np.bincount(r.proc), np.bincount(dev), block_ns)
 

@@ -536,9 +536,9 @@ class SqlRows(RowSource):
             # (asked only where the view's block requests went to several devices)
             out: dict[str, dict[str, int]] = {}
             for phase, dev, summed in self._joined(pieces, f"""
-                    SELECT w.w_phase, io.dev_name, sum(greatest(io.complete_ns - io.issue_ns,
-                                                                0))::BIGINT
-                    FROM (SELECT issue_ns, complete_ns, dev_name FROM io
+                    SELECT w.w_phase, io.dev_name, sum(greatest(io.complete_ns - io.b, 0)
+                                                       )::BIGINT
+                    FROM (SELECT issue_ns, complete_ns, dev_name, {_BEGIN} AS b FROM io
                           WHERE {_and("layer = 'block'", cond)}) io
                     ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start
                     GROUP BY ALL""", params):
@@ -585,9 +585,10 @@ class SqlRows(RowSource):
                        histogram(((CASE WHEN bytes > 0 THEN floor(log2(bytes))
                                    ELSE {_SIZELESS} END) * 256
                                   + floor(log2(greatest(total_ns / 1e3, 1))))::USMALLINT),
-                       -- What the requests' time in the device adds up to (block: the
-                       -- mean number in flight while busy, with the busy islands).
-                       sum(greatest(device_ns, 0))::BIGINT
+                       -- What the requests' time in flight adds up to, from their insert
+                       -- (or issue) as the busy islands count it (block: the mean number
+                       -- in flight while busy).
+                       sum(greatest(total_ns, 0))::BIGINT
                 FROM io GROUP BY code, layer, op)""", params)
 
     def weighted_quantiles(self, pieces: Pieces, view: ViewFilter

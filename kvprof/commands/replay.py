@@ -16,13 +16,17 @@ What is issued, one of two layers:
   traces by pid (kvprof never traces its own files).
 
 Both by JOBS threads per lane (reads, writes, syncs) that take the lane's calls in order,
-each sleeping until its call's time: a call goes out at its time whether or not the ones
-before it have completed (open loop, up to JOBS in flight a lane), so latency is measured
-under the recorded arrivals, and a candidate too slow for them falls behind, which the
-replay measures per phase (when it had issued each planned call's bytes, against when that
-was due). Each call is issued in the phase it was recorded in: the first call of a phase
-waits until every call of the one before has completed (Gate), which on a slow candidate
-stretches that phase.
+each sleeping until its call's time. Block requests (and file calls with --open-loop) go out
+at their times whether or not the ones before have completed (open loop, up to JOBS in
+flight a lane), so latency is measured under the recorded arrivals. File calls by default
+keep each recorded thread's order and pace (FilePlan.after/gap): a call waits for its
+thread's call before it and the thread's own time after that, and each phase piece keeps
+its recorded length after the one before (Gate.shift), so a slower candidate moves the rest
+as it moves a closed-loop engine's steps. Either way the replay measures per phase how late
+it issued each planned call's bytes against when that was due (in a shifting replay, at its
+offset in its moved piece). Each call is issued in the phase it was recorded in: the first
+call of a phase waits until every call of the one before has completed (Gate), which on a
+slow candidate stretches that phase.
 
 Not fio: fio 3.33 replaying an iolog waits for each line's time by spinning (one core per
 job, which here is the CPU the candidate's I/O needs), and through one asynchronous queue
@@ -237,6 +241,10 @@ def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
     prev = [-1] * len(due) if after is None else np.asarray(after, np.int64).tolist()
     pause = [0] * len(due) if gap is None else (np.asarray(gap, np.float64) / speed
                                                ).astype(np.int64).tolist()
+    # (no call waits on a later one, nor a piece on a later piece: the first call not done
+    # can always go out, so the threads never wait on each other in a ring)
+    assert all(j < k for k, j in enumerate(prev))
+    assert all(a <= b for a, b in zip(seg, seg[1:]))
     ordered = any(j >= 0 for j in prev)
     rec = [] if issue_ns is None else np.asarray(issue_ns, np.int64).tolist()
     done_ns = [0] * len(due)

@@ -9,7 +9,9 @@ when every request of the pieces before it had completed, so a piece the candida
 to serve stretches and the next one starts where it ended. A window's edge at recording time
 t is sent at max(t moved to the replay's clock, the start of t's piece): a monotone map of
 the recording's time, so the windows keep their order, their overlaps and what
-flatten makes of them, and each piece holds the phase it had. A window goes to the recorder
+flatten makes of them, and each piece holds the phase it had. A replay that keeps its
+threads' order shifts instead (`schedule(shift=True)`, the replay's Gate.shift): t lies at
+its recorded offset from its piece's start, so a stretched piece moves every later window. A window goes to the recorder
 once its end is decided and its time has come (at the recorder's flushes, `take`), and the
 ones begun and not ended as open rows, so the new session's aggregate tier (folded by the
 windows the recorder knows at each flush) and its events split by the same windows, and a
