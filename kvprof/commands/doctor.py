@@ -78,6 +78,14 @@ def _has_plugin(site: Path) -> bool:
     return False
 
 
+def _install_hint() -> str:
+    """How to install this kvprof elsewhere: from its checkout (or wheel), never by the bare
+    name, which on PyPI is an unrelated project (the distribution is kvprof-storage)."""
+    root = Path(__file__).resolve().parents[2]
+    src = str(root) if (root / "pyproject.toml").is_file() else "/path/to/kvprof-checkout"
+    return f"install kvprof's checkout, not PyPI's kvprof (another project): pip install {src}"
+
+
 def _vllm(proc: Path = Path("/proc")) -> list[system.Check]:
     """Each running vLLM API server: will kvprof's plugin send it a window per step?"""
     from kvprof.markers import ENV_SOCKET, socket_path
@@ -110,8 +118,8 @@ def _vllm(proc: Path = Path("/proc")) -> list[system.Check]:
                                     "plugin", "add kvprof to VLLM_PLUGINS", required=False))
         elif site is not None and not _has_plugin(site):
             out.append(system.Check(name, False, f"kvprof is not installed in {site}: no "
-                                    "per-step windows", f"pip install kvprof into vLLM's "
-                                    "environment and restart vLLM", required=False))
+                                    "per-step windows", f"{_install_hint()} with vLLM's "
+                                    "pip, then restart vLLM", required=False))
         else:
             sock = socket_path(env.get(ENV_SOCKET))
             where = "installed" if site is not None else "(where it is installed)"
