@@ -209,6 +209,14 @@ class Process(TypedDict):
     cmdline: str
 
 
+class WindowSource(TypedDict):
+    """Who made a span's phase windows: a source (`hook`, `metrics`, `nvml`, `manual`, ...)
+    and engine as the phase table stores them, and how many windows."""
+    source: str
+    engine: str
+    windows: int
+
+
 class Session(TypedDict):
     id: str
     host: str
@@ -221,7 +229,8 @@ class Session(TypedDict):
     device_limits: dict[str, dict[str, int]]
     lost_events: int
     lost_by_reason: dict[str, int]
-    phase_sources: list[str]
+    phase_sources: list[str]  # the sources the recording listened with
+    window_sources: list["WindowSource"]  # who made the windows, as stored
     source_problems: dict[str, dict[str, int]]
     writeback_unattributed: Count
     device_events: bool

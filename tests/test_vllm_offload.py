@@ -414,6 +414,13 @@ def test_the_vllm_demo_job_shows_the_real_engine_offloading(tmp_path):
     assert tier["write"]["bytes"] > 0 and tier["read"]["bytes"] > 0
     assert tier["read"]["direct_bytes"] == tier["read"]["bytes"]
     assert report["phases"]["decode"]["windows"] > 0
+    # The report names who made the windows, as stored: the plugin in the engine's API
+    # server (source hook, engine vllm:0), not the socket it listened on.
+    made = report["session"]["window_sources"]
+    assert [(w["source"], w["engine"]) for w in made] == [("hook", "vllm:0")], made
+    assert made[0]["windows"] > 0
+    header = run_kvprof("report", str(out)).stdout.splitlines()[3]
+    assert header.startswith("phase windows: hook vllm:0 ("), header
 
 
 def _documents(server, seed: int, rounds: int = 3, words: int = 1200) -> None:

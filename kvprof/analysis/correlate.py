@@ -262,6 +262,8 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             "lost_events": sum(lost.values()),
             "lost_by_reason": lost,
             "phase_sources": ["marks", *(s["source"] for s in info.sources)],
+            "window_sources": [{"source": src, "engine": engine, "windows": n}
+                               for src, engine, n in rows.window_sources(t0, t1)],
             "source_problems": {s["source"]: s["problems"] for s in info.sources
                                 if s["problems"]},
             "writeback_unattributed": unattributed,

@@ -263,6 +263,10 @@ class RowSource:
         each window's counts prorated by the share of it inside."""
         raise NotImplementedError
 
+    def window_sources(self, t0: int, t1: int) -> list[tuple[str, str, int]]:
+        """Who made the phase windows in [t0, t1), as stored: (source, engine, windows)."""
+        raise NotImplementedError
+
     def sampling(self, t0: int, t1: int) -> list[int]:
         """The event tier's sampling shifts in effect during [t0, t1) (schema.EVENT_SAMPLING),
         in order; empty for a session without device-layer events or recorded before it."""
@@ -446,6 +450,11 @@ class SqlRows(RowSource):
             return []
         return [(n, labels, float(last - base)) for n, labels, base, last, back in rows
                 if not back and base is not None]
+
+    def window_sources(self, t0: int, t1: int) -> list[tuple[str, str, int]]:
+        return [(src, engine or "", int(n)) for src, engine, n in self.cur.execute(
+            "SELECT source, engine, count(*) FROM phase WHERE end_ns > ? AND start_ns < ? "
+            "GROUP BY ALL ORDER BY 3 DESC, 1, 2", [int(t0), int(t1)]).fetchall()]
 
     def phase_tokens(self, t0: int, t1: int) -> list[tuple[str, str, float, float]]:
         part = "(least(end_ns, ?) - greatest(start_ns, ?))::DOUBLE / (end_ns - start_ns)"
@@ -900,6 +909,9 @@ class LiveRows(RowSource):
 
     def engine_counters(self, t0: int, t1: int) -> list[tuple[str, str, float]]:
         return self.sql.engine_counters(t0, t1)
+
+    def window_sources(self, t0: int, t1: int) -> list[tuple[str, str, int]]:
+        return self.sql.window_sources(t0, t1)
 
     def phase_tokens(self, t0: int, t1: int) -> list[tuple[str, str, float, float]]:
         return self.sql.phase_tokens(t0, t1)

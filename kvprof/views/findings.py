@@ -93,7 +93,8 @@ def _phase(phase: str, ph: PhaseStats) -> Finding | None:
     cap = ph["block"].get("capacity_idle_pct")
     # (reports before kvprof measured it have no such key; over several devices it adds
     # theirs up, and two devices each serving one request at a time are not one serving two)
-    depth = ph["block"].get("inflight_mean") if len(ph["block"]["devices"]) <= 1 else None
+    depth = (ph["block"].get("inflight_mean") if len(ph["block"].get("devices", {})) <= 1
+             else None)
     figures = {f"{at}.bytes": e["bytes"], f"{at}.ios": e["ios"],
                f"{at}.bandwidth_bytes_per_s": e["bandwidth_bytes_per_s"],
                f"{base}.block.time_idle_pct": idle}

@@ -21,6 +21,7 @@ from kvprof.analysis.correlate import MAIN_OPS, device_layer, phase_layer
 from kvprof.summary import Summary
 from kvprof.units import engine_parts, human_bytes, human_us, size_label
 from kvprof.views.findings import findings
+from kvprof.views.report import window_line
 
 COLOURS = {"prefill": "#e5a50a", "decode": "#3584e4", "mixed": "#9141ac", "idle": "#77767b"}
 OP_DASH = {"read": None, "write": "/"}
@@ -81,8 +82,8 @@ def _header(page: _Page, summary: Summary, name: str) -> None:
     page.add(f"<h1>kvprof report {html.escape(name)}</h1><p class=\"meta\">"
              f"host {html.escape(s['host'])} · kernel {html.escape(s['kernel'])} · "
              f"started {start:%Y-%m-%d %H:%M:%S} UTC · {s['duration_s']:.2f} s · devices "
-             f"{html.escape(', '.join(s['devices']) or '-')} · phase sources "
-             f"{html.escape(', '.join(s['phase_sources']))} · lost events {s['lost_events']}"
+             f"{html.escape(', '.join(s['devices']) or '-')} · "
+             f"{html.escape(window_line(s))} · lost events {s['lost_events']}"
              "</p>")
 
 

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from typing import Literal
 
 from kvprof import schema
-from kvprof.summary import DEVICE_LAYERS, LAYERS, Engine, Exact, OpCapacity, Summary
+from kvprof.summary import DEVICE_LAYERS, LAYERS, Engine, Exact, OpCapacity, Session, Summary
 from kvprof.units import engine_parts, human_bytes, human_us, size_label
 from kvprof.views.findings import findings
 
@@ -125,7 +125,7 @@ def to_text(summary: Summary, name: str = "") -> str:
                     f"{100 * direct:>7.0f}%")
     lines += _engine_lines(summary.get("engine"))
     lines += _exact_lines(summary.get("exact"))
-    lines.insert(3, "phase sources: " + ", ".join(s["phase_sources"]))
+    lines.insert(3, window_line(s)[:WIDTH])
     for src, problems in s["source_problems"].items():
         lines.insert(4, f"  {src}: " + ", ".join(f"{k.split('.', 1)[-1]} {v}"
                                                 for k, v in problems.items()))
@@ -212,3 +212,13 @@ def _exact_lines(exact: Exact | None) -> list[str]:
         lines.append(f"  {edge['ios']:,} requests were in slots a window edge cut: each phase's "
                      f"count is within that of the per-request rule"[:WIDTH])
     return lines
+
+
+def window_line(s: Session) -> str:
+    """The header's line on phases: who made the windows (source and engine, as stored),
+    else the sources the recording listened with, which made none."""
+    made = [f"{w['source']}" + (f" {w['engine']}" if w["engine"] else "") + f" ({w['windows']})"
+            for w in s.get("window_sources", [])]
+    if made:
+        return "phase windows: " + ", ".join(made)
+    return "phase windows: none (listened: " + ", ".join(s["phase_sources"]) + ")"

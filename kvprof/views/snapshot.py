@@ -79,7 +79,7 @@ class Bin:
 class Snapshot:
     host: str
     devices: tuple[str, ...]
-    sources: tuple[str, ...]
+    sources: tuple[str, ...]  # who made the windows (else what the recording listened to)
     status: str
     start_ns: int
     now_ns: int
@@ -163,7 +163,9 @@ def build_snapshot(rows: RowSource, window_s: float | None, now_ns: int,
         notes.append("engine: " + ", ".join(engine))
     s = f.summary["session"]
     return Snapshot(
-        host=s["host"], devices=tuple(s["devices"]), sources=tuple(s["phase_sources"]),
+        host=s["host"], devices=tuple(s["devices"]), sources=tuple(
+            f"{w['source']}" + (f" {w['engine']}" if w["engine"] else "")
+            for w in s.get("window_sources", [])) or tuple(s["phase_sources"]),
         status=s["status"], start_ns=f.info.start_ns, now_ns=f.t1, t0_ns=f.t0, t1_ns=f.t1,
         window_s=window_s, filters=filters, events_per_s=float(f.recent),
         lost_events=s["lost_events"], phases=phases,
