@@ -134,6 +134,13 @@ def holders(mask: int | None = None) -> list[str]:
     return out
 
 
+def thread_mask(tid: int) -> int:
+    """What thread `tid` of this process holds (effective or permitted)."""
+    status = Path(f"/proc/self/task/{tid}/status").read_text()
+    caps = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    return int(caps["CapEff"], 16) | int(caps["CapPrm"], 16)
+
+
 def drop_all() -> None:
     """For a thread that never needs privilege (the dashboard's)."""
     drop(frozenset(), lambda: True)

@@ -434,6 +434,50 @@ def test_live_numbers_move_within_a_second_of_the_io(loopdev, tmp_path):
 
 
 
+@live
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_live_top_with_the_syscall_layer_keeps_only_what_naming_files_takes(loopdev, tmp_path):
+    """`top -p PID` (the syscall layer: naming other users' files takes CAP_SYS_PTRACE and
+    CAP_DAC_READ_SEARCH, kept by the recorder once attached): every thread holds at most
+    those (and the BPF capability where the kernel checks it on each map use), the dashboard's
+    none, and kvprof says no thread kept more (it did, wrongly, of the recorder's own
+    threads when it measured them against the dashboard's empty set)."""
+    from kvprof import privileges
+    from tests.conftest import thread_privileges
+
+    name = f"kvprof-caps-{os.getpid()}"
+    out = tmp_path / "live"
+    # (Textual draws on stderr: the recorder's lines follow on the terminal once it quits)
+    cmd = (f"cd {ROOT} && {' '.join(KVPROF)} top -d {loopdev} -p {os.getpid()} -o {out} "
+           f"--socket {tmp_path / 'm.sock'}; echo $? > {tmp_path / 'rc'}; exec sleep 60")
+    _tmux("new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd)
+    try:
+        _screen_until(name, lambda s: "live ▶" in s and "╭─ idle" in s, timeout=90)
+        pid = next(int(p) for p in subprocess.run(
+            ["pgrep", "-f", f"kvprof top -d {loopdev} -p"], capture_output=True,
+            text=True).stdout.split()
+            if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:4] ==
+            [b"-m", b"kvprof", b"top"])
+        threads = thread_privileges(pid)
+        allowed = 0
+        for cap in ("CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_BPF", "CAP_SYS_ADMIN"):
+            allowed |= 1 << privileges.CAP_NUMBERS[cap]
+        held = {t: p["CapEff"] | p["CapPrm"] for t, p in threads.items()}
+        print(f"live top -p: {len(threads)} threads; held {sorted(set(held.values()))}")
+        assert len(threads) >= 5 and all(c & ~allowed == 0 for c in held.values()), held
+        assert any(c for c in held.values()), held  # the recorder's threads keep theirs
+        _tmux("send-keys", "-t", name, "q")
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "rc").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (tmp_path / "rc").read_text().strip() == "0"
+        said = _tmux("capture-pane", "-p", "-J", "-t", name)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
+    print(said)
+    assert "keep privileges" not in said and "privileges dropped (kept:" in said, said
+
+
 def test_phase_panel_shows_each_kv_cache_where_it_has_room():
     """With the syscall layer, a panel adds the application's file bandwidth and then one
     line per KV cache, busiest first, as far as its height allows."""

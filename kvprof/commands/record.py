@@ -743,6 +743,11 @@ class BackgroundRecorder:
         self.store = store
         self.ready.set()
 
+    @property
+    def native_id(self) -> int | None:
+        """The recording thread's id: what it kept once attached is what its threads hold."""
+        return self._thread.native_id
+
     def _flushed(self) -> None:
         if self.on_flush is not None:
             self.on_flush()

@@ -70,7 +70,13 @@ def run_live(opts: RecordOptions, interval_s: float = 0.5, window_s: float | Non
             privileges.drop_all()
         except OSError as e:  # a sandbox that forbids capset or prctl
             rec.log.append(f"kvprof: the dashboard's privileges could not be dropped ({e})")
-        held = privileges.holders()
+        # The recorder's threads hold what it kept (the syscall layer's, to name other users'
+        # files); a thread holding more was started before attaching.
+        try:
+            kept = privileges.thread_mask(rec.native_id) if rec.native_id else None
+        except OSError:  # (the recorder's thread ended: its error is raised below)
+            kept = None
+        held = privileges.holders(kept)
         if held:
             rec.log.append(f"kvprof: threads started before attaching keep privileges: "
                            f"{', '.join(held)}")
