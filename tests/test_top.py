@@ -387,6 +387,19 @@ def test_replay_of_a_missing_session_is_one_line(tmp_path):
     assert r.returncode == 66 and r.stderr.count("\n") == 1
 
 
+def _live_top(name: str, args: str, tmp_path: Path) -> int:
+    """`kvprof top ARGS` in a tmux session `name` (80x24), its exit status to tmp_path/rc
+    when it ends; waits until it shows the live dashboard and returns its pid."""
+    cmd = (f"cd {ROOT} && {' '.join(KVPROF)} top {args}; echo $? > {tmp_path / 'rc'}; "
+           "exec sleep 60")
+    _tmux("new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd)
+    _screen_until(name, lambda s: "live ▶" in s and "╭─ idle" in s, timeout=90)
+    return next(int(p) for p in subprocess.run(
+        ["pgrep", "-f", f"kvprof top {args}"], capture_output=True, text=True).stdout.split()
+        if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:4] ==
+        [b"-m", b"kvprof", b"top"])  # not the shell or tmux that hold the same words
+
+
 @live
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
 def test_live_numbers_move_within_a_second_of_the_io(loopdev, tmp_path):
@@ -394,19 +407,11 @@ def test_live_numbers_move_within_a_second_of_the_io(loopdev, tmp_path):
 
     name = f"kvprof-live-{os.getpid()}"
     out = tmp_path / "live"
-    cmd = (f"cd {ROOT} && {' '.join(KVPROF)} top -d {loopdev} -o {out} "
-           f"--socket {tmp_path / 'm.sock'}; echo $? > {tmp_path / 'rc'}; "
-           "exec sleep 60")
-    _tmux("new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd)
     try:
-        _screen_until(name, lambda s: "live ▶" in s and "╭─ idle" in s, timeout=90)
+        pid = _live_top(name, f"-d {loopdev} -o {out} --socket {tmp_path / 'm.sock'}",
+                        tmp_path)
         # Attached: the dashboard's process holds no privilege in any thread (block and
         # io_uring need none once attached; kvprof.privileges).
-        pid = next(int(p) for p in subprocess.run(
-            ["pgrep", "-f", f"kvprof top -d {loopdev} -o {out}"], capture_output=True,
-            text=True).stdout.split()
-            if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:4] ==
-            [b"-m", b"kvprof", b"top"])  # not the shell or tmux that hold the same words
         threads = thread_privileges(pid)
         print(f"live top: {len(threads)} threads, privileges "
               f"{sorted({p['CapEff'] | p['CapPrm'] | p['CapBnd'] for p in threads.values()})}")
@@ -447,17 +452,10 @@ def test_live_top_with_the_syscall_layer_keeps_only_what_naming_files_takes(loop
 
     name = f"kvprof-caps-{os.getpid()}"
     out = tmp_path / "live"
-    # (Textual draws on stderr: the recorder's lines follow on the terminal once it quits)
-    cmd = (f"cd {ROOT} && {' '.join(KVPROF)} top -d {loopdev} -p {os.getpid()} -o {out} "
-           f"--socket {tmp_path / 'm.sock'}; echo $? > {tmp_path / 'rc'}; exec sleep 60")
-    _tmux("new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd)
     try:
-        _screen_until(name, lambda s: "live ▶" in s and "╭─ idle" in s, timeout=90)
-        pid = next(int(p) for p in subprocess.run(
-            ["pgrep", "-f", f"kvprof top -d {loopdev} -p"], capture_output=True,
-            text=True).stdout.split()
-            if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:4] ==
-            [b"-m", b"kvprof", b"top"])
+        # (Textual draws on stderr: the recorder's lines follow on the terminal once it quits)
+        pid = _live_top(name, f"-d {loopdev} -p {os.getpid()} -o {out} "
+                              f"--socket {tmp_path / 'm.sock'}", tmp_path)
         threads = thread_privileges(pid)
         allowed = 0
         for cap in ("CAP_SYS_PTRACE", "CAP_DAC_READ_SEARCH", "CAP_BPF", "CAP_SYS_ADMIN"):
