@@ -60,7 +60,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof.errors import EX_DATAERR, EX_USAGE, KvprofError
-from kvprof.phases.replayed import UNKNOWN, new_edges
+from kvprof.phases.replayed import UNKNOWN, in_shifted_pieces, new_edges
 from kvprof.schema import SLOT_NS
 
 JOBS = 8  # replaying threads per lane (reads, writes, syncs): the most in flight in each
@@ -162,18 +162,12 @@ class Gate:
         with self._cond:
             self._advance()
 
-    def piece_start(self, j: int) -> tuple[int, int]:
-        """Piece j's start on the replay's clock (decided) and on the recording's (the first
-        piece's: the first call's, t0)."""
-        if j == 0:
-            return self._start, self.t0
-        return int(self.edges[j]), int(self.bounds[j - 1])
-
     def due_in(self, j: int, issue_ns: int) -> int:
         """When a call recorded at issue_ns, of piece j (whose start is decided), is due in a
         shifting replay: at its offset from the piece's start."""
-        at, rec = self.piece_start(j)
-        return at + int((issue_ns - rec) / self.speed)
+        return int(in_shifted_pieces(np.array([issue_ns], np.int64), np.array([j]),
+                                     self.bounds, self.edges, self._start, self.t0,
+                                     self.speed)[0])
 
     def _advance(self) -> None:
         while self._next < len(self.left) and self.left[self._next - 1] == 0:
@@ -604,11 +598,8 @@ def lag(p: Plan | FilePlan, issued_ns: np.ndarray, issued_bytes: np.ndarray,
     k = np.minimum(np.searchsorted(done, np.cumsum(p.size), side="left"), len(at) - 1)
     due = start_ns + (p.issue_ns - p.t0) / speed
     if shifted is not None:
-        bounds, edges = shifted
-        seg = np.asarray(p.segment, np.int64)
-        began = np.where(seg > 0, bounds[np.maximum(seg - 1, 0)] if len(bounds) else 0, p.t0)
-        piece = np.where(seg > 0, np.asarray(edges, np.int64)[seg], start_ns)
-        due = piece + (p.issue_ns - began) / speed
+        due = in_shifted_pieces(p.issue_ns, np.asarray(p.segment, np.int64), *shifted,
+                                start_ns, p.t0, speed)
     late = np.maximum(at[k] - due, 0) / 1e9
     phases = np.array(p.phase, dtype=object)
     out = {}

@@ -42,6 +42,16 @@ def new_edges(pieces: int, buffer=None) -> np.ndarray:
     return edges
 
 
+def in_shifted_pieces(t: np.ndarray, piece: np.ndarray, bounds: np.ndarray,
+                      edges: np.ndarray, start_ns: int, t0: int, speed: float) -> np.ndarray:
+    """Recording times `t`, each in phase piece `piece`, on a shifting replay's clock
+    (Gate.shift): at their offset from their piece's start, piece j >= 1 starting at edges[j]
+    (recording: bounds[j - 1]), the first at start_ns (recording: t0)."""
+    began = np.where(piece > 0, bounds[np.maximum(piece - 1, 0)] if len(bounds) else t0, t0)
+    at = np.where(piece > 0, np.asarray(edges, np.int64)[piece], start_ns)
+    return at + ((t - began) / speed).astype(np.int64)
+
+
 class ReplayedWindows(PhaseSource):
     name = "replay"
     interval_s = 0.1
@@ -81,9 +91,9 @@ class ReplayedWindows(PhaseSource):
         edge = np.array(self._edges)[piece]
         known = edge != UNKNOWN
         if self._shift:
-            began = self._bounds[np.maximum(piece - 1, 0)] if len(self._bounds) else t0
-            offset = edge + ((t - began) / speed).astype(np.int64)
-            return np.where(piece == 0, moved, np.where(known, offset, moved)), known
+            offset = in_shifted_pieces(t, np.where(known, piece, 0), self._bounds,
+                                       self._edges, start, t0, speed)
+            return np.where(known, offset, moved), known
         return np.where(known, np.maximum(moved, edge), moved), known
 
     def _row(self, i: int, start: int, end: int) -> dict:
