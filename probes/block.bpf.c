@@ -116,6 +116,7 @@ static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, 
  * after an insert or straight. */
 static __always_inline int rq_start(void *rq, int issue)
 {
+    u64 now = bpf_ktime_get_ns(); /* before the lookups: they are not the request's time */
     u32 di;
     int ok;
     u32 dev = rq_dev(rq, &di, &ok);
@@ -125,7 +126,6 @@ static __always_inline int rq_start(void *rq, int issue)
     struct kvprof_inflight *s = kvprof_slot_data(kvprof_claim((u64)rq, &found));
     if (!s)
         return 0;
-    u64 now = bpf_ktime_get_ns();
     if (found) {
         if (!s->issue_ns) {
             /* Inserted before. Inserted again (a requeue): keep the first insert. Issued:
@@ -167,9 +167,9 @@ RAW_TRACEPOINT_PROBE(block_rq_requeue)
  * flush. The kernel counts it as a write of 0 bytes, and so does kvprof. */
 RAW_TRACEPOINT_PROBE(block_rq_complete)
 {
+    u64 now = bpf_ktime_get_ns();
     void *rq = (void *)ctx->args[0];
     u32 nr_bytes = (u32)ctx->args[2];
-    u64 now = bpf_ktime_get_ns();
     int slot = kvprof_find((u64)rq);
     struct kvprof_inflight *s = kvprof_slot_data(slot);
     struct kvprof_io e = {};

@@ -83,6 +83,7 @@ RAW_TRACEPOINT_PROBE(io_uring_create)
 /* io_uring_submit_req(struct io_kiocb *req) */
 RAW_TRACEPOINT_PROBE(io_uring_submit_req)
 {
+    u64 now = bpf_ktime_get_ns(); /* before the lookups: they are not the request's time */
     void *req = (void *)ctx->args[0];
     KVPROF_SPAN(k, req, IOK_SUB_LO, IOK_SUB_HI);
     u8 opcode = KVPROF_AT(u8, k, IOK_SUB_LO, KVPROF_IOK_OPCODE);
@@ -106,7 +107,7 @@ RAW_TRACEPOINT_PROBE(io_uring_submit_req)
         return 0;
     if (found)
         kvprof_count(KVPROF_LOST_URING_NOT_SEEN); /* req reused: its completion was skipped */
-    s->issue_ns = bpf_ktime_get_ns();
+    s->issue_ns = now;
     s->op = op;
     s->opcode = opcode;
     s->layer = KVPROF_LAYER_IO_URING;
@@ -117,6 +118,7 @@ RAW_TRACEPOINT_PROBE(io_uring_submit_req)
 /* io_uring_complete(struct io_ring_ctx *ctx, void *req, struct io_uring_cqe *cqe) */
 RAW_TRACEPOINT_PROBE(io_uring_complete)
 {
+    u64 now = bpf_ktime_get_ns();
     /* Completions of other opcodes (and of filtered tasks) have no slot by design, so a miss
      * is not counted as a loss here. */
     int slot = kvprof_find(ctx->args[1]);
@@ -160,7 +162,7 @@ RAW_TRACEPOINT_PROBE(io_uring_complete)
     s32 res = KVPROF_FIELD(s32, (void *)ctx->args[2], KVPROF_CQE_RES);
     struct kvprof_io e = {};
     e.issue_ns = s->issue_ns;
-    e.complete_ns = bpf_ktime_get_ns();
+    e.complete_ns = now;
     e.cgroup_id = s->cgroup_id;
     e.ctx = ctx->args[0];
     e.bytes = res > 0 ? res : 0;

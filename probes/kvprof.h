@@ -140,12 +140,13 @@ static __always_inline int kvprof_task_allowed(u32 tgid)
  * kvprof being that task, leave it out. */
 static __always_inline int kvprof_task_row(struct kvprof_io *e)
 {
+    u64 now = bpf_ktime_get_ns(); /* before the filters: they are not the event's time */
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     if (tgid == KVPROF_SELF_TGID || !kvprof_task_allowed(tgid))
         return 0;
-    e->issue_ns = bpf_ktime_get_ns();
-    e->complete_ns = e->issue_ns;
+    e->issue_ns = now;
+    e->complete_ns = now;
     e->pid = (u32)id;
     e->tgid = tgid;
     e->cgroup_id = bpf_get_current_cgroup_id();

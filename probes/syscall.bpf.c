@@ -99,28 +99,6 @@ BPF_ARRAY(open_layout, struct kvprof_open, 1);
 #define SYS_FSYNC 10
 #define SYS_FDATASYNC 11
 
-static __always_inline int sys_begin(s64 fd, u8 op, u8 sysno, u64 asked, u64 pos)
-{
-    u64 id = bpf_get_current_pid_tgid();
-    struct file_key k = {};
-    k.tgid = id >> 32;
-    k.fd = (s32)fd;
-    struct file_val *f = file_map.lookup(&k);
-    if (!f)
-        return 0;
-    struct sys_start s = {};
-    s.enter_ns = bpf_ktime_get_ns();
-    s.pos = pos;
-    s.id = f->id;
-    s.flags = f->flags;
-    s.asked = asked > 0xffffffffULL ? 0xffffffff : (u32)asked;
-    s.op = op;
-    s.sysno = sysno;
-    u32 tid = (u32)id;
-    sys_start_map.update(&tid, &s);
-    return 0;
-}
-
 /* Bytes asked by a vector of iovecs: the first KVPROF_IOV_MAX entries (0 when there are more:
  * unknown rather than wrong). */
 static __always_inline u64 iov_bytes(const struct iovec *vec, u64 vlen)
@@ -139,8 +117,37 @@ static __always_inline u64 iov_bytes(const struct iovec *vec, u64 vlen)
     return total;
 }
 
+/* A call on a file starts: `asked` bytes, or those of `vlen` iovecs at `vec` when vec is set
+ * (read from user memory after the stamp, and only for a traced file). */
+static __always_inline int sys_begin(s64 fd, u8 op, u8 sysno, u64 asked,
+                                     const struct iovec *vec, u64 vlen, u64 pos)
+{
+    u64 now = bpf_ktime_get_ns(); /* before the file lookup: it is not the call's time */
+    u64 id = bpf_get_current_pid_tgid();
+    struct file_key k = {};
+    k.tgid = id >> 32;
+    k.fd = (s32)fd;
+    struct file_val *f = file_map.lookup(&k);
+    if (!f)
+        return 0;
+    struct sys_start s = {};
+    s.enter_ns = now;
+    s.pos = pos;
+    s.id = f->id;
+    s.flags = f->flags;
+    if (vec)
+        asked = iov_bytes(vec, vlen);
+    s.asked = asked > 0xffffffffULL ? 0xffffffff : (u32)asked;
+    s.op = op;
+    s.sysno = sysno;
+    u32 tid = (u32)id;
+    sys_start_map.update(&tid, &s);
+    return 0;
+}
+
 static __always_inline int sys_end(s64 ret)
 {
+    u64 now = bpf_ktime_get_ns();
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id;
     struct sys_start *s = sys_start_map.lookup(&tid);
@@ -148,7 +155,7 @@ static __always_inline int sys_end(s64 ret)
         return 0;
     struct kvprof_io e = {};
     e.issue_ns = s->enter_ns;
-    e.complete_ns = bpf_ktime_get_ns();
+    e.complete_ns = now;
     e.cgroup_id = bpf_get_current_cgroup_id();
     e.ctx = s->id;
     e.bytes = ret > 0 ? (u32)ret : 0;
@@ -188,47 +195,47 @@ TRACEPOINT_PROBE(filemap, mm_filemap_add_to_page_cache)
 #endif
 
 TRACEPOINT_PROBE(syscalls, sys_enter_read)
-{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_READ, args->count, KVPROF_POS_NONE); }
+{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_READ, args->count, NULL, 0, KVPROF_POS_NONE); }
 TRACEPOINT_PROBE(syscalls, sys_enter_pread64)
-{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREAD64, args->count, args->pos); }
+{ return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREAD64, args->count, NULL, 0, args->pos); }
 TRACEPOINT_PROBE(syscalls, sys_enter_readv)
 {
-    return sys_begin(args->fd, KVPROF_OP_READ, SYS_READV, iov_bytes(args->vec, args->vlen),
+    return sys_begin(args->fd, KVPROF_OP_READ, SYS_READV, 0, args->vec, args->vlen,
                      KVPROF_POS_NONE);
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_preadv)
 {
-    return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREADV, iov_bytes(args->vec, args->vlen),
+    return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREADV, 0, args->vec, args->vlen,
                      args->pos_l);
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_preadv2)
 {
-    return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREADV2, iov_bytes(args->vec, args->vlen),
+    return sys_begin(args->fd, KVPROF_OP_READ, SYS_PREADV2, 0, args->vec, args->vlen,
                      args->pos_l);
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_write)
-{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_WRITE, args->count, KVPROF_POS_NONE); }
+{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_WRITE, args->count, NULL, 0, KVPROF_POS_NONE); }
 TRACEPOINT_PROBE(syscalls, sys_enter_pwrite64)
-{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITE64, args->count, args->pos); }
+{ return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITE64, args->count, NULL, 0, args->pos); }
 TRACEPOINT_PROBE(syscalls, sys_enter_writev)
 {
-    return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_WRITEV, iov_bytes(args->vec, args->vlen),
+    return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_WRITEV, 0, args->vec, args->vlen,
                      KVPROF_POS_NONE);
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_pwritev)
 {
-    return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITEV, iov_bytes(args->vec, args->vlen),
+    return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITEV, 0, args->vec, args->vlen,
                      args->pos_l);
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_pwritev2)
 {
-    return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITEV2, iov_bytes(args->vec, args->vlen),
+    return sys_begin(args->fd, KVPROF_OP_WRITE, SYS_PWRITEV2, 0, args->vec, args->vlen,
                      args->pos_l);
 }
 TRACEPOINT_PROBE(syscalls, sys_enter_fsync)
-{ return sys_begin(args->fd, KVPROF_OP_FLUSH, SYS_FSYNC, 0, KVPROF_POS_NONE); }
+{ return sys_begin(args->fd, KVPROF_OP_FLUSH, SYS_FSYNC, 0, NULL, 0, KVPROF_POS_NONE); }
 TRACEPOINT_PROBE(syscalls, sys_enter_fdatasync)
-{ return sys_begin(args->fd, KVPROF_OP_FLUSH, SYS_FDATASYNC, 0, KVPROF_POS_NONE); }
+{ return sys_begin(args->fd, KVPROF_OP_FLUSH, SYS_FDATASYNC, 0, NULL, 0, KVPROF_POS_NONE); }
 
 TRACEPOINT_PROBE(syscalls, sys_exit_read) { return sys_end(args->ret); }
 TRACEPOINT_PROBE(syscalls, sys_exit_pread64) { return sys_end(args->ret); }
@@ -259,6 +266,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_openat)
 
 TRACEPOINT_PROBE(syscalls, sys_exit_openat)
 {
+    u64 now = bpf_ktime_get_ns();
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id;
     struct open_start *o = open_start_map.lookup(&tid);
@@ -304,7 +312,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat)
     v.id = fid;
     v.flags = (oflags & O_DIRECT) ? KVPROF_FL_DIRECT : 0;
     file_map.update(&k, &v);
-    rec->ts_ns = bpf_ktime_get_ns();
+    rec->ts_ns = now;
     rec->id = fid;
     rec->from_id = 0;
     rec->tgid = k.tgid;
@@ -333,6 +341,7 @@ static __always_inline int dup_begin(s32 oldfd)
 
 static __always_inline int dup_end(long newfd)
 {
+    u64 now = bpf_ktime_get_ns();
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id;
     s32 *oldfd = dup_start_map.lookup(&tid);
@@ -357,7 +366,7 @@ static __always_inline int dup_end(long newfd)
     struct file_val v = {};
     v.id = __sync_fetch_and_add(next, 1) + 1;
     v.flags = f->flags;
-    rec->ts_ns = bpf_ktime_get_ns();
+    rec->ts_ns = now;
     rec->id = v.id;
     rec->from_id = f->id;
     rec->tgid = k.tgid;
@@ -408,6 +417,7 @@ TRACEPOINT_PROBE(writeback, writeback_single_inode)
 
 TRACEPOINT_PROBE(block, block_bio_queue)
 {
+    u64 now = bpf_ktime_get_ns();
     u32 tid = (u32)bpf_get_current_pid_tgid();
     u64 *ino = wb_inode_map.lookup(&tid);
     if (!ino)
@@ -416,8 +426,8 @@ TRACEPOINT_PROBE(block, block_bio_queue)
     if (!kvprof_dev_allowed(args->dev))
         return 0;
     struct kvprof_io e = {};
-    e.issue_ns = bpf_ktime_get_ns();
-    e.complete_ns = e.issue_ns;
+    e.issue_ns = now;
+    e.complete_ns = now;
     e.sector = args->sector;
     e.bytes = args->nr_sector << 9;
     e.dev = args->dev;
@@ -435,6 +445,7 @@ TRACEPOINT_PROBE(block, block_bio_queue)
 
 TRACEPOINT_PROBE(syscalls, sys_enter_close)
 {
+    u64 now = bpf_ktime_get_ns();
     struct file_key k = {};
     k.tgid = bpf_get_current_pid_tgid() >> 32;
     k.fd = (s32)args->fd;
@@ -445,7 +456,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_close)
      * open files (engines open a file per chunk access). A full ring only delays that. */
     struct kvprof_open *rec = opens.ringbuf_reserve(sizeof(struct kvprof_open));
     if (rec) {
-        rec->ts_ns = bpf_ktime_get_ns();
+        rec->ts_ns = now;
         rec->id = f->id;
         rec->from_id = 0;
         rec->tgid = k.tgid;

@@ -33,10 +33,11 @@ dpkg -s python3-bpfcc >/dev/null 2>&1 || need+=(python3-bpfcc bpfcc-tools)
 # chromium: the tests open the HTML report in it, headless and without network; prometheus
 # (with promtool): a real server scrapes a recorder; systemd-analyze checks the unit file;
 # bpftool lists the kernel's BPF programs before and after each way a recording ends;
-# nbdkit and nbdfuse make a device with a latency of its own (tests/slow_device.py).
+# nbdkit and nbdfuse make a device with a latency of its own (tests/slow_device.py);
+# libbpf-tools' biolatency is the yardstick kvprof's block latencies are held to.
 for tool in fio:fio losetup:mount setpriv:util-linux mkfs.ext4:e2fsprogs tmux:tmux gcc:gcc \
     chromium:chromium prometheus:prometheus promtool:prometheus systemd-analyze:systemd \
-    bpftool:bpftool nbdkit:nbdkit nbdfuse:libnbd-bin; do
+    bpftool:bpftool nbdkit:nbdkit nbdfuse:libnbd-bin biolatency:libbpf-tools; do
   command -v "${tool%%:*}" >/dev/null || need+=("${tool#*:}")
 done
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
