@@ -330,13 +330,19 @@ def start_recorder(tmp_path):
 
 # On the Firecracker test VMs a completion the kernel serves in a softirq on top of the VM
 # agent's threads (PID 1) runs no BPF program and counts no miss (ftrace's event fires; a few
-# in 10 000 requests under load, fewer idle; bpftrace loses them alike). diskstats counts them.
-# kvprof counts each as a loss of the event tier: when the kernel starts that request again
-# (NOT_SEEN; the exact tier counts it then, as diskstats does), or, not started again by the
-# stop, as held then (AT_STOP: counted by neither tier).
+# in 10 000 requests under load, fewer idle; bpftrace and biolatency lose the same ones:
+# tests/test_biolatency.py). diskstats counts them. kvprof counts each as a loss of the event
+# tier: when the kernel starts that request again (NOT_SEEN; the exact tier counts it then, as
+# diskstats does), or, not started again by the stop, as held then (AT_STOP: counted by
+# neither tier).
 NOT_SEEN = "block_completion_not_seen"
 AT_STOP = "block_in_flight_at_stop"
 UNTRACED = (NOT_SEEN, AT_STOP)
+
+# The most a test forgives as lost, whatever kvprof reports: this share of the requests it
+# made, and two. Measured on loop devices over memory: 1-5 in ~33 000 reads under load (up to
+# 1.5e-4), 32 in 766 854 at full rate (4e-5), none idle.
+FORGIVEN_SHARE = 5e-4
 
 
 def lost_to(report: dict, reasons: str | tuple[str, ...] = UNTRACED) -> int:
@@ -345,14 +351,26 @@ def lost_to(report: dict, reasons: str | tuple[str, ...] = UNTRACED) -> int:
     return sum(by.get(r, 0) for r in ((reasons,) if isinstance(reasons, str) else reasons))
 
 
+def forgiven(report: dict, requests: int, reasons: str | tuple[str, ...] | None = UNTRACED,
+             share: float = FORGIVEN_SHARE) -> int:
+    """What the report says was lost for `reasons` (None: for any reason), held first to at
+    most `share` of the `requests` the kernel served (or the test made), and two: a count
+    kvprof over-reports cannot excuse a shortfall."""
+    lost = lost_to(report, reasons) if reasons else report["session"]["lost_events"]
+    most = 2 + int(share * requests)
+    assert lost <= most, (f"{lost} reported lost of {requests} requests, more than the {most} "
+                          f"forgiven", report["session"]["lost_by_reason"])
+    return lost
+
+
 def assert_kernel_count(ours: int, kernel: int, report: dict, each: int = 1,
                         reason: str | tuple[str, ...] | None = None) -> None:
     """kvprof's count equals the kernel's (or what a test issued), except for events kvprof
     itself reports as lost (e.g. a completion probe the kernel skipped because another BPF
     program ran on that CPU, which happens a few times per million events): of `reason`
-    only, where the cause is known. `each`: what one lost request can carry (for bytes).
-    Unaccounted differences fail."""
-    lost = lost_to(report, reason) if reason else report["session"]["lost_events"]
+    only, where the cause is known, and no more than `forgiven` allows. `each`: what one lost
+    request can carry (for bytes). Unaccounted differences fail."""
+    lost = forgiven(report, kernel // each, reason)
     assert 0 <= kernel - ours <= lost * each, (ours, kernel, report["session"]["lost_by_reason"])
 
 
