@@ -29,6 +29,8 @@ pytestmark = live
 # Each prompt is new to the engine (vLLM caches prefixes by default: a repeated prompt would
 # skip its prefill, and the test would time nothing).
 SEEDS = itertools.count(int(time.time() * 1000) % 10**9)
+# A prompt whose prefill takes 30-80 ms on the tests' model here.
+PREFILL_WORDS = 150
 
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
@@ -136,6 +138,34 @@ def test_hook_and_metrics_windows_follow_the_engines_own_accounting(vllm, loopde
           f"prefill {engine_prefill_s:.3f} s (sequential part); hook: {len(hook)} windows, "
           f"prefill {hook_prefill_s:.3f} s; metrics: {len(scraped)} windows, prefill "
           f"{metrics_prefill_s:.3f} s; lost {sum(lost.values())}")
+
+
+def test_a_short_prefills_window_is_the_engines_prefill_time(vllm, loopdev, start_recorder):
+    """Prompts whose prefill takes 30-80 ms (a GPU's prefill of a short prompt): the hook's
+    prefill windows, one per request, add up to vLLM's own prefill time (from when its engine
+    core scheduled the request to its first token) within 10 %: the window starts when the
+    engine core scheduled the batch, not when the request reached the API server."""
+    rec = start_recorder("-d", loopdev, "--phases", "vllm-plugin", socket=vllm.marks_socket)
+    m0 = vllm.metrics()
+    t0 = time.monotonic_ns()
+    done = []
+    for _ in range(12):
+        done.append(vllm.complete(PREFILL_WORDS, 2, next(SEEDS)))
+        time.sleep(0.2)  # each prefill alone in its step, after idle
+    t1 = time.monotonic_ns()
+    m1 = vllm.metrics()
+    assert rec.stop() == 0
+    engine_s = delta(m0, m1, "vllm:request_prefill_time_seconds_sum")
+    requests = delta(m0, m1, "vllm:request_prefill_time_seconds_count")
+    hook = [w for w in windows(rec.out, "hook", t0, t1) if w["phase"] == "prefill"]
+    hook_s = seconds(hook)
+    arrival_s = sum(r["done_ns"] - r["sent_ns"] for r in done) / 1e9
+    print(f"{requests:.0f} requests: engine prefill {1e3 * engine_s / requests:.1f} ms each, "
+          f"hook {1e3 * hook_s / max(1, len(hook)):.1f} ms in {len(hook)} windows; the "
+          f"client's whole request {1e3 * arrival_s / len(done):.1f} ms")
+    assert requests == len(done) == len(hook)
+    assert 0.030 <= engine_s / requests <= 0.080, "not the prefill length this test is about"
+    assert hook_s == pytest.approx(engine_s, rel=0.10)
 
 
 def _background_reads(loopdev: str, seconds: float) -> subprocess.Popen:

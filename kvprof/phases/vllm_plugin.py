@@ -20,9 +20,12 @@ API-server process, after the batch crossed from the engine core; vLLM's own
   * a step that advanced a request already decoding: its inter-token latency, i.e. the
     engine core's time from the previous step's output to this one's (the same step for
     every such request: the shortest is taken, a resumed request's is longer);
-  * else (a step that only finished prefills): the longest time to first token, from the
-    request's arrival; a request that waited behind other steps is cut at the previous
-    window's end below;
+  * else (a step that only finished prefills): from when the engine core first scheduled
+    the earliest of those requests (vLLM's `RequestStateStats.scheduled_ts`, the start of
+    its own `request_prefill_time_seconds`; see `keep_scheduled_times`), or, where that
+    cannot be read, the longest time to first token, from the request's arrival in the API
+    server (then the window also holds the hand-off to the engine core: 7-21 ms measured
+    here); a request that waited behind other steps is cut at the previous window's end;
   * else the engine's measured `elapsed_ms`, when iteration details are on.
   A window never starts before the previous window of its engine ended, so windows do not
   overlap and idle time before a step never becomes part of it.
@@ -89,6 +92,46 @@ def clock_pair(tries: int = 4) -> tuple[int, int]:
     return best[1], best[2]
 
 
+# The attribute of a batch's IterationStats that lists when the engine core first scheduled
+# each request whose prefill the batch completed (engine-core CLOCK_MONOTONIC seconds).
+SCHEDULED = "kvprof_scheduled_ts"
+
+
+def keep_scheduled_times() -> bool:
+    """Have vLLM's IterationStats keep, per output batch, when the engine core scheduled each
+    request whose prefill the batch completed. vLLM tracks that per request
+    (`RequestStateStats.scheduled_ts`, set from the engine core's SCHEDULED event) but hands
+    stat loggers only the batch's IterationStats, and the time only once the request
+    finishes (as `prefill_time`). So `IterationStats.update_from_output`, which vLLM calls
+    for each request of a batch with its state before any logger runs, is wrapped to note
+    it. Once per process; False where vLLM's class is missing or differs (then windows fall
+    back to the time to first token)."""
+    try:
+        from vllm.v1.metrics.stats import IterationStats
+        original = IterationStats.update_from_output
+    except Exception:  # noqa: BLE001 - no vLLM, or another layout
+        return False
+    if getattr(original, "kvprof_wrapped", False):
+        return True
+
+    def update_from_output(self: Any, output: Any, engine_core_timestamp: Any,
+                           is_prefilling: Any, req_stats: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, output, engine_core_timestamp, is_prefilling, req_stats,
+                          *args, **kwargs)
+        if is_prefilling:
+            try:
+                ts = req_stats.scheduled_ts
+                if isinstance(ts, float) and ts > 0:
+                    self.__dict__.setdefault(SCHEDULED, []).append(ts)
+            except Exception:  # noqa: BLE001 - never break vLLM's own accounting
+                pass
+        return result
+
+    update_from_output.kvprof_wrapped = True  # type: ignore[attr-defined]
+    IterationStats.update_from_output = update_from_output
+    return True
+
+
 def _count(obj: Any, name: str) -> int | None:
     """A non-negative integer attribute, or None when it is missing or not a count."""
     v = getattr(obj, name, None)
@@ -122,6 +165,7 @@ class KvprofStatLogger(StatLoggerBase):
         self.errors = 0
         self.skipped: dict[str, int] = {}  # steps with tokens that got no window, by why
         self._last_end: dict[int, int] = {}
+        self.scheduled_times = keep_scheduled_times()
         # The one line vLLM's log shows at start: what the plugin does and where it sends.
         _log.info("kvprof: a phase window per step of engine %d, timed by vLLM's own "
                   "measurements (no vLLM option needed), to %s", self.engine_index,
@@ -160,12 +204,14 @@ class KvprofStatLogger(StatLoggerBase):
             if iteration_stats is not None:
                 self._skip("it carried no tokens")
             return
-        length = self._length(details, iteration_stats)
-        if length is None:
+        end = self._end(iteration_stats, now)
+        begun = self._scheduled(iteration_stats, end)
+        length = None if begun is not None else self._length(details, iteration_stats)
+        if begun is None and length is None:
             self._skip("vLLM measured no time for it")
             return
-        end = self._end(iteration_stats, now)
-        start = max(end - length, self._last_end.get(engine_idx, 0))
+        start = max(begun if begun is not None else end - length,
+                    self._last_end.get(engine_idx, 0))
         if start >= end:
             self._skip("it ended before the previous step did")
             return
@@ -202,6 +248,18 @@ class KvprofStatLogger(StatLoggerBase):
             if 0 <= lag <= self.max_lag_s * 1e9:
                 return mono - lag
         return now
+
+    def _scheduled(self, iteration_stats: Any, end: int) -> int | None:
+        """For a step that only finished prefills, when the engine core scheduled the
+        earliest of them (ns, CLOCK_MONOTONIC: the engine core's clock is this one), else
+        None."""
+        if _seconds(getattr(iteration_stats, "inter_token_latencies_iter", None)):
+            return None
+        times = getattr(iteration_stats, SCHEDULED, None)  # floats > 0, as kept above
+        if not isinstance(times, list) or not times:
+            return None
+        begun = int(min(times) * 1e9)
+        return begun if begun < end else None
 
     @staticmethod
     def _length(details: Any, iteration_stats: Any) -> int | None:
