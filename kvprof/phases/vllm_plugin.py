@@ -206,12 +206,13 @@ class KvprofStatLogger(StatLoggerBase):
             return
         end = self._end(iteration_stats, now)
         begun = self._scheduled(iteration_stats, end)
-        length = None if begun is not None else self._length(details, iteration_stats)
-        if begun is None and length is None:
-            self._skip("vLLM measured no time for it")
-            return
-        start = max(begun if begun is not None else end - length,
-                    self._last_end.get(engine_idx, 0))
+        if begun is None:
+            length = self._length(details, iteration_stats)
+            if length is None:
+                self._skip("vLLM measured no time for it")
+                return
+            begun = end - length
+        start = max(begun, self._last_end.get(engine_idx, 0))
         if start >= end:
             self._skip("it ended before the previous step did")
             return
