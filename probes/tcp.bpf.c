@@ -46,6 +46,7 @@ TRACEPOINT_PROBE(sock, inet_sock_set_state)
 
 static __always_inline int tcp_bytes(u64 sk, int protocol, int ret, u8 op)
 {
+    /* Read before the stamp (kvprof_task_row): only the tracepoint's own arguments. */
     if (protocol != KVPROF_IPPROTO_TCP || ret <= 0)
         return 0;
     struct kvprof_io e = {};
