@@ -16,15 +16,18 @@ own difference is what it adds beyond that step.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 import duckdb
 import pytest
 
+from kvprof import system
 from tests.conftest import (
     READ_IOS,
     UNTRACED,
@@ -118,6 +121,36 @@ def _cdf(slots: dict[int, int], top: int) -> list[float]:
     return out
 
 
+@contextmanager
+def ftrace_completions(dev: str):
+    """ftrace's own block_rq_complete events for `dev`, in a tracefs instance of the test's:
+    the kernel fires them whether or not a BPF program runs there. Yields a list that holds,
+    after the block, how many fired (and asserts none was overwritten)."""
+    root = system.tracefs()
+    if root is None:
+        require("tracefs is not mounted")
+    major, minor = (int(x) for x in Path(f"/sys/block/{dev}/dev").read_text().split(":"))
+    inst = root / "instances" / f"kvprof-test-{os.getpid()}"
+    inst.mkdir()
+    got: list[int] = []
+    try:
+        (inst / "buffer_size_kb").write_text("8192")
+        event = inst / "events/block/block_rq_complete"
+        (event / "filter").write_text(f"dev == {major << 20 | minor}")
+        (event / "enable").write_text("1")
+        yield got
+        (event / "enable").write_text("0")
+        fired = overrun = 0
+        for stats in inst.glob("per_cpu/cpu*/stats"):
+            fields = dict(line.split(": ", 1) for line in stats.read_text().splitlines())
+            fired += int(fields["entries"])
+            overrun += int(fields["overrun"])
+        assert overrun == 0, overrun
+        got.append(fired)
+    finally:
+        inst.rmdir()
+
+
 def _held_to_biolatency(dev: str, start_recorder, tmp_path, flags: tuple[str, ...],
                         span: str) -> None:
     if shutil.which("fio") is None:
@@ -128,8 +161,9 @@ def _held_to_biolatency(dev: str, start_recorder, tmp_path, flags: tuple[str, ..
         try:
             rec = start_recorder("-d", dev, "--layer", "block")
             s0 = settle(dev)
-            _fio(dev, tmp_path / "fio.json")
-            s1 = read_stat(dev)
+            with ftrace_completions(dev) as fired:
+                _fio(dev, tmp_path / "fio.json")
+                s1 = read_stat(dev)
             assert rec.stop() == 0
         finally:
             b = second.stop()
@@ -142,10 +176,11 @@ def _held_to_biolatency(dev: str, start_recorder, tmp_path, flags: tuple[str, ..
     delta = stat_delta(s0, s1)
     kernel = delta[READ_IOS] + delta[WRITE_IOS]
     untraced = lost_to(report, UNTRACED)
-    print(f"kernel {kernel}, biolatency {sum(a.values())} and {sum(b.values())}, kvprof "
-          f"{sum(ours.values())} (untraced {untraced})")
+    print(f"kernel {kernel}, ftrace {fired[0]}, biolatency {sum(a.values())} and "
+          f"{sum(b.values())}, kvprof {sum(ours.values())} (untraced {untraced})")
     # A completion the kernel runs no BPF program for (see conftest) is lost to all three
-    # alike: biolatency never sees it end, kvprof reports it untraced.
+    # alike: ftrace's event fired, biolatency never sees it end, kvprof reports it untraced.
+    assert fired[0] == kernel
     assert sum(ours.values()) == sum(a.values()) == sum(b.values()) == kernel - untraced
     top = max(max(ours), max(a), max(b)) + 1
     worst = 0.0
