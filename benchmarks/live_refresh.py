@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from kvprof.analysis.rowsource import SqlRows
-from kvprof.commands.record import BackgroundRecorder, RecordOptions
+from kvprof.recorder.background import BackgroundRecorder
+from kvprof.recorder.options import RecordOptions
 from kvprof.markers import Marker
 from kvprof.store.session import Reader, session_info
 from kvprof.views.snapshot import Clock, SnapshotFeed, ViewRequest, build_snapshot

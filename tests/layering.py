@@ -22,7 +22,11 @@ from pathlib import Path
 CAPTURE, PHASES = "kvprof.capture", "kvprof.phases"
 STORE, ANALYSIS, VIEWS, COMMANDS = ("kvprof.store", "kvprof.analysis", "kvprof.views",
                                     "kvprof.commands")
-FLOW = ((CAPTURE, PHASES), (STORE,), (ANALYSIS,), (VIEWS,), (COMMANDS,), ("kvprof.cli",))
+# The library's workflows: what runs the stages below end to end (a recording), for the
+# commands, the scripts and the benchmarks alike.
+WORKFLOWS = ("kvprof.recorder",)
+FLOW = ((CAPTURE, PHASES), (STORE,), (ANALYSIS,), (VIEWS,), WORKFLOWS, (COMMANDS,),
+        ("kvprof.cli",))
 SHARED = ("kvprof.schema", "kvprof.summary", "kvprof.layers", "kvprof.phase_sources",
           "kvprof.errors", "kvprof.system", "kvprof.privileges", "kvprof.devices",
           "kvprof.caches", "kvprof.roles", "kvprof.units", "kvprof.calibration",
@@ -70,6 +74,7 @@ RULES = (
     # Views show what correlate computed: no queries, no number crunching of their own.
     Rule("views only show", applies_to=(VIEWS,), forbid=(CAPTURE, PHASES, *_later(3))),
     Rule("views never import duckdb", forbid=("duckdb",), applies_to=(VIEWS,)),
+    Rule("workflows run the stages below", applies_to=WORKFLOWS, forbid=_later(4)),
     Rule("views compute nothing themselves", applies_to=(VIEWS,),
          forbid=("numpy", "kvprof.analysis.iocache", "kvprof.analysis.rollup",
                  "kvprof.analysis.intervals")),

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 CORE = ["kvprof.cli", "kvprof.analysis.correlate", "kvprof.views.report", "kvprof.store.parquet",
-        "kvprof.store.session", "kvprof.commands.record", "kvprof.markers",
+        "kvprof.store.session", "kvprof.recorder.recorder", "kvprof.markers",
         "kvprof.phases.mark_server", "kvprof.commands.doctor", "kvprof.views.snapshot",
         "kvprof.views.findings", "kvprof.commands.top", "kvprof.commands.demo"]
 

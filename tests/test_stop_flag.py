@@ -15,7 +15,7 @@ import textwrap
 
 CHILD = textwrap.dedent("""
     import os, signal, sys
-    from kvprof.commands.record import StopFlag
+    from kvprof.recorder.stop import StopFlag
 
     def run(k):
         # A fresh flag with its handlers installed; SIGINT sent at the k-th event the tracer
@@ -58,7 +58,7 @@ def test_the_flag_wakes_a_waiter_in_another_thread():
     import threading
     import time
 
-    from kvprof.commands.record import StopFlag
+    from kvprof.recorder.stop import StopFlag
 
     flag = StopFlag()
     woke: list[float] = []

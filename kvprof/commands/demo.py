@@ -33,7 +33,8 @@ from functools import partial
 from pathlib import Path
 
 from kvprof import system
-from kvprof.commands.record import ATTACH_TIMEOUT_S, BackgroundRecorder, RecordOptions
+from kvprof.recorder.background import ATTACH_TIMEOUT_S, BackgroundRecorder
+from kvprof.recorder.options import RecordOptions
 from kvprof.commands.report import print_report
 from kvprof.commands.sandbox import Disk, sandbox
 from kvprof.errors import EX_NOPERM, EX_SOFTWARE, KvprofError

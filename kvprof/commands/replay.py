@@ -688,7 +688,7 @@ def _recording_while(opts, windows, edges: np.ndarray, t0: int, last: int, lead_
     """Record the candidate (`opts`: the new session, `windows` among its feeds, sent where
     the replay puts each phase piece: `edges`) while go(start_ns) replays: the recording's
     t0 at start_ns, `lead_ns` after attaching. Returns start_ns."""
-    from kvprof.commands.record import Recorder
+    from kvprof.recorder.recorder import Recorder
 
     attached = threading.Event()
     stop = threading.Event()
@@ -732,7 +732,7 @@ def replay(session: str, on: str, phases: list[str], speed: float, out: str | No
            force: bool = False, layer: str | None = None, caches: list[str] | None = None,
            open_loop: bool = False) -> dict:
     from kvprof.commands.export import recorded
-    from kvprof.commands.record import default_out
+    from kvprof.recorder.options import default_out
     from kvprof.phases.replayed import ReplayedWindows
 
     if speed <= 0:
@@ -764,7 +764,7 @@ def _replay_block(got, session: str, on: str, phases: list[str], speed: float, d
     import shutil
 
     from kvprof.commands.calibrate import prepare
-    from kvprof.commands.record import RecordOptions
+    from kvprof.recorder.options import RecordOptions
 
     p = plan(got.requests, phases, got.bounds)
     if len(p.issue_ns) == 0:
@@ -820,7 +820,7 @@ def _replay_files(got, session: str, on: str, phases: list[str], speed: float, d
 
     from kvprof.caches import OTHER
     from kvprof.commands.calibrate import dir_device
-    from kvprof.commands.record import RecordOptions
+    from kvprof.recorder.options import RecordOptions
 
     if not Path(on).is_dir():
         raise KvprofError(f"{on}: file calls replay on a filesystem: give a directory",

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvprof import system
-from kvprof.commands.record import BackgroundRecorder, RecordOptions, options_from_args
+from kvprof.recorder.background import BackgroundRecorder
+from kvprof.recorder.options import RecordOptions, options_from_args
 from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.store.session import Reader, open_replay, session_info
 from kvprof.views.snapshot import Clock
