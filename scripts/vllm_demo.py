@@ -27,7 +27,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvprof.commands.sandbox import sandbox  # noqa: E402
+from kvprof.sandbox import sandbox  # noqa: E402
 from tests.engine import vllm_server  # noqa: E402
 
 KVPROF = str(REPO / ".venv" / "bin" / "kvprof")

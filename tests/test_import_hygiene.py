@@ -8,7 +8,8 @@ import sys
 CORE = ["kvprof.cli", "kvprof.analysis.correlate", "kvprof.views.report", "kvprof.store.parquet",
         "kvprof.store.session", "kvprof.recorder.recorder", "kvprof.markers",
         "kvprof.phases.mark_server", "kvprof.commands.doctor", "kvprof.views.snapshot",
-        "kvprof.views.findings", "kvprof.commands.top", "kvprof.commands.demo"]
+        "kvprof.views.findings", "kvprof.commands.top", "kvprof.commands.demo",
+        "kvprof.live", "kvprof.replay.run"]
 
 
 def test_core_imports_no_capture_or_ui_libraries():

@@ -12,7 +12,9 @@ import pyarrow as pa
 import pytest
 
 from kvprof.analysis.fold import flatten
-from kvprof.commands.replay import Gate, _at_their_times, stretch
+from kvprof.replay.gate import Gate
+from kvprof.replay.issue import _at_their_times
+from kvprof.replay.stats import stretch
 from kvprof.phases.replayed import UNKNOWN, ReplayedWindows, new_edges
 from kvprof.schema import SLOT_NS
 
@@ -156,7 +158,7 @@ def test_a_threads_calls_keep_its_order_and_pace_on_a_slower_candidate():
     thread waits for its call, then works), so each thread's calls move by what the candidate
     added, while the other thread's are not held by them. Open loop (no order given) sends
     them at their recorded times, up to the lane's threads in flight."""
-    from kvprof.commands.replay import thread_order
+    from kvprof.replay.plan import thread_order
 
     tid = np.array([1, 2] * 10)
     issue = np.array([k * 1_100_000 + t * 50_000 for k in range(10) for t in (0, 1)],

@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any
 
-from kvprof.commands.report import load_summary, load_with_timeline, write_html
+from kvprof.analysis.load import load_summary, load_with_timeline
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,9 +21,9 @@ def run(args: argparse.Namespace) -> int:
         a, b = (load_summary(s, mixed=args.mixed) for s in (args.a, args.b))
     result = compare.compare(a, b, gates)
     if timelines is not None:
-        from kvprof.views.html import compare_html
+        from kvprof.views.html import compare_html, write_page
 
-        write_html(args.html, compare_html(result, a, b, timelines, (args.a, args.b)))
+        write_page(args.html, compare_html(result, a, b, timelines, (args.a, args.b)))
     sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.json else
                      compare.to_text(result, args.a, args.b))
     sys.stdout.flush()

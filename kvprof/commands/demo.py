@@ -1,6 +1,6 @@
 """`kvprof demo`: the main job on a built-in default.
 
-A small KV-cache-offload workload runs on a private loop device (kvprof.commands.sandbox: a sparse
+A small KV-cache-offload workload runs on a private loop device (kvprof.sandbox: a sparse
 file in /dev/shm, with ext4 on it), recorded live, and the per-phase report is printed:
 
 - prefill writes new KV chunks: 8 MiB each, 1 MiB O_DIRECT writes from two threads, fsync;
@@ -33,13 +33,14 @@ from functools import partial
 from pathlib import Path
 
 from kvprof import system
-from kvprof.recorder.background import ATTACH_TIMEOUT_S, BackgroundRecorder
-from kvprof.recorder.options import RecordOptions
-from kvprof.commands.report import print_report
-from kvprof.commands.sandbox import Disk, sandbox
+from kvprof.analysis.load import load_summary
 from kvprof.errors import EX_NOPERM, EX_SOFTWARE, KvprofError
 from kvprof.markers import Marker
+from kvprof.recorder.background import ATTACH_TIMEOUT_S, BackgroundRecorder
+from kvprof.recorder.options import RecordOptions
+from kvprof.sandbox import Disk, sandbox
 from kvprof.store.session import DB_FILE
+from kvprof.views.report import write_report
 
 SAMPLE_DIR = Path(__file__).resolve().parents[2] / "samples" / "demo"
 ENGINE = "kvprof-demo"
@@ -113,7 +114,7 @@ def _record_demo(session: Path, seconds: float, tui: bool = False) -> None:
                 pass  # end early, like `kvprof record`: what was recorded is still reported
             rec.finish()
             return
-        from kvprof.commands.top import run_live
+        from kvprof.live import run_live
 
         # Said before the dashboard takes the terminal, so it is there again once it is back.
         print(announce, file=sys.stderr, flush=True)
@@ -152,7 +153,7 @@ def _show_sample(report: Callable[[Path, str], None], why: str, tui: bool = Fals
                           EX_NOPERM, hint="run: sudo kvprof demo")
     print(f"kvprof demo: {why}; showing a recorded sample instead", file=sys.stderr, flush=True)
     if tui:
-        from kvprof.commands.top import run_replay
+        from kvprof.live import run_replay
 
         return run_replay(str(SAMPLE_DIR))
     report(SAMPLE_DIR, "samples/demo")
@@ -292,4 +293,5 @@ def run(args: argparse.Namespace) -> int:
     # The dashboard only on a terminal: scripts and tests keep getting the printed report.
     tui = not (args.no_tui or args.json) and sys.stdout.isatty() and sys.stdin.isatty()
     return run_demo(seconds=args.seconds, out=args.output, tui=tui,
-                    report=partial(print_report, as_json=args.json))
+                    report=lambda session, name: write_report(load_summary(session), name,
+                                                              args.json))

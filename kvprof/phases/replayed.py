@@ -4,7 +4,7 @@ was recorded in, however late the candidate lets it go out.
 
 The recording's time is cut where its phase changes (fold.flatten's pieces: `bounds`); the
 replay decides, as it goes, when each piece starts on its clock (`edges`, kept by the
-replaying threads: kvprof/commands/replay.py's Gate): at the later of when it was due and
+replaying threads: kvprof/replay/gate.py's Gate): at the later of when it was due and
 when every request of the pieces before it had completed, so a piece the candidate is slow
 to serve stretches and the next one starts where it ended. A window's edge at recording time
 t is sent at max(t moved to the replay's clock, the start of t's piece): a monotone map of

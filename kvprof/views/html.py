@@ -9,7 +9,9 @@ Numbers come from correlate (the summary and its timeline); nothing is computed 
 from __future__ import annotations
 
 import html
+import sys
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Literal
 
 import plotly.graph_objects as go
@@ -18,6 +20,7 @@ from plotly.subplots import make_subplots
 
 from kvprof import schema
 from kvprof.analysis.correlate import MAIN_OPS, device_layer, phase_layer
+from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.summary import Summary
 from kvprof.units import engine_parts, human_bytes, human_us, size_label
 from kvprof.views.findings import findings
@@ -266,3 +269,13 @@ def compare_html(result: dict, a: Summary, b: Summary, timelines: tuple[dict, di
         page.figure(_timeline_figure(timeline, label), f"timeline-{label.lower()}")
     page.add("</div>")
     return page.render()
+
+
+def write_page(path: str, text: str) -> None:
+    """The page written to `path`, said on stderr; a path it cannot write is one line."""
+    try:
+        Path(path).write_text(text)
+    except OSError as e:
+        raise KvprofError(f"cannot write {path}: {e.strerror}", EX_USAGE) from None
+    print(f"kvprof: wrote {path} ({len(text) >> 10} KiB, opens with no network)",
+          file=sys.stderr)

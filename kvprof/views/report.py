@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from datetime import datetime, timezone
 from typing import Literal
@@ -12,6 +13,12 @@ from kvprof.units import engine_parts, human_bytes, human_us, size_label
 from kvprof.views.findings import findings
 
 WIDTH = 80
+
+
+def write_report(summary: Summary, name: str, as_json: bool) -> None:
+    """The report on stdout, as text or JSON: `kvprof report` and the demo."""
+    sys.stdout.write(to_json(summary) + "\n" if as_json else to_text(summary, name))
+    sys.stdout.flush()
 
 
 def to_json(summary: Summary) -> str:
