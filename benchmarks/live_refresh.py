@@ -2,14 +2,13 @@
 
     sudo .venv/bin/python benchmarks/live_refresh.py [--iops 50000] [--seconds 75]
 
-Everything as `kvprof top` runs it, minus the terminal: the recorder in a thread tracing a
-private loop device over /dev/shm (block and io_uring: two events per I/O), fio reading it at
-a fixed rate, an engine-like hook marking 200 ms prefill / 800 ms decode windows, and the
-dashboard's feed building a frame every 0.5 s from its own cursor. The feed shows the 10 s
-window first, then the 60 s one once a minute is recorded. A frame is what the feed does for
-one delivery: read the new rows, build the snapshot (the snapshot's build_s). Baselines from the same
-session at the end: a bare DuckDB scan of each window, and the frame built by SQL alone.
-Not a test: run it, read it.
+Everything as `kvprof top` runs it, minus the terminal: the recorder in a thread tracing a private
+loop device over /dev/shm (block and io_uring: two events per I/O), fio reading it at a fixed rate,
+an engine-like hook marking 200 ms prefill / 800 ms decode windows, and the dashboard's feed
+building a frame every 0.5 s from its own cursor. The feed shows the 10 s window first, then the
+60 s one once a minute is recorded. A frame is what the feed does for one delivery: read the new
+rows, build the snapshot (the snapshot's build_s). Baselines from the same session at the end: a
+bare DuckDB scan of each window, and the frame built by SQL alone. Not a test: run it, read it.
 """
 from __future__ import annotations
 
@@ -23,9 +22,9 @@ import time
 from pathlib import Path
 
 from kvprof.analysis.rowsource import SqlRows
+from kvprof.markers import Marker
 from kvprof.recorder.background import BackgroundRecorder
 from kvprof.recorder.options import RecordOptions
-from kvprof.markers import Marker
 from kvprof.store.session import Reader, session_info
 from kvprof.views.snapshot import Clock, SnapshotFeed, ViewRequest, build_snapshot
 
@@ -113,7 +112,8 @@ def main() -> int:
             build_snapshot(SqlRows(cur), window, end)
             sql_s = time.perf_counter() - s
             med = statistics.median(times)
-            print(f"{window:.0f} s{'':<5}{len(mine):>7}{statistics.median(f[3] for f in mine):>10,.0f}"
+            rows = statistics.median(f[3] for f in mine)
+            print(f"{window:.0f} s{'':<5}{len(mine):>7}{rows:>10,.0f}"
                   f"{med * 1e3:>10.1f}{times[int(0.95 * (len(times) - 1))] * 1e3:>7.1f}"
                   f"{times[-1] * 1e3:>7.1f}{scan_s * 1e3:>9.1f}{sql_s * 1e3:>8.0f}"
                   f"{med / scan_s:>8.1f}x")

@@ -23,7 +23,6 @@ from snapshot_build import NS, Synth, make_session, timed
 from kvprof.analysis.correlate import summarize
 from kvprof.analysis.rowsource import SqlRows
 
-
 USER_QUERY = """
 WITH w AS (SELECT start_ns, end_ns, phase FROM phase),
 j AS (

@@ -1,12 +1,12 @@
 """How long one dashboard refresh takes while a session records ~100k I/O events per second.
 
-Builds a synthetic session in DuckDB (io rows at RATE events/s, stored in completion order as
-the recorder stores them; a prefill then a decode window every period, 1/5 and 4/5 of it), then plays
-it live: every step appends the next half second of rows (the recorder's work, not timed)
-and times what the dashboard's feed does for one frame: read the new rows into its cache and
-build the snapshot. Baselines measured in the same run on the same rows: a bare DuckDB scan
-of the window (count + sums: the floor any query pays) and the SQL path (the snapshot built
-by re-querying the window, as `kvprof report` computes it). Not a test: run it, read it.
+Builds a synthetic session in DuckDB (io rows at RATE events/s, stored in completion order as the
+recorder stores them; a prefill then a decode window every period, 1/5 and 4/5 of it), then plays it
+live: every step appends the next half second of rows (the recorder's work, not timed) and times
+what the dashboard's feed does for one frame: read the new rows into its cache and build the
+snapshot. Baselines measured in the same run on the same rows: a bare DuckDB scan of the window
+(count + sums: the floor any query pays) and the SQL path (the snapshot built by re-querying the
+window, as `kvprof report` computes it). Not a test: run it, read it.
 
     .venv/bin/python benchmarks/snapshot_build.py [--rate 100000] [--history 60] [--steps 20]
 """

@@ -1,6 +1,6 @@
 """What the syscall layer costs a busy process: pread64 calls on a page-cached file (512 bytes
-by default: about the cheapest file call there is, so the probes' share is the largest), calls per second
-with `kvprof record -p PID --layer syscall` attached ÷ without, baselines in the same run
+by default: about the cheapest file call there is, so the probes' share is the largest), calls per
+second with `kvprof record -p PID --layer syscall` attached ÷ without, baselines in the same run
 before and after each attached one. Needs root. Not a test: run it, read it.
 
     sudo .venv/bin/python benchmarks/syscall_overhead.py [--rounds 3] [--seconds 3] [--size 512]

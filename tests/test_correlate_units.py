@@ -210,7 +210,7 @@ def test_inflight_mean_is_the_summed_device_time_over_the_busy_time(tmp_path, se
                     rows["bytes"].append(256 << 10)
                     s += queued + d + int(rng.integers(0, 50_000))
             t += stretch + int(rng.integers(0, 30_000_000))
-        synthetic = pa.table(rows)
+        synthetic = pa.table(rows)  # noqa: F841 - DuckDB reads it by name (FROM synthetic)
         con.execute("DELETE FROM io WHERE layer = 'block'")
         # Traced on both devices (a session traced on one holds no other's requests).
         con.execute("UPDATE session SET devices = ?", [json.dumps(

@@ -341,7 +341,8 @@ def test_a_frame_reads_only_the_windows_reaching_into_its_view():
     sess = Session(seconds=6, rate=100)
     sess.flush_until(sess.start + 6 * NS)
     sess.con.execute(f"INSERT INTO phase_open VALUES ({sess.start + 5 * NS}, "
-                     f"{sess.start + 6 * NS}, 'decode', 'hook', 'e', NULL, NULL, NULL, 1.0, NULL, NULL)")
+                     f"{sess.start + 6 * NS}, 'decode', 'hook', 'e', NULL, NULL, NULL, 1.0, "
+                     "NULL, NULL)")
     every = phase_windows(sess.con).to_pylist()
     t0, t1 = sess.start + 2 * NS, sess.start + 4 * NS
     some = phase_windows(sess.con, t0, t1).to_pylist()

@@ -637,7 +637,7 @@ def test_tgi_windows_from_batch_calls(endpoints, sources):
     assert src.counts() == {}
 
 
-# -- failures ----------------------------------------------------------------------------------------
+# -- failures ------------------------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -721,8 +721,9 @@ def test_zz_report_measured_boundary_errors(capsys):
     with capsys.disabled():
         for test, errs in MEASURED.items():
             starts, ends = [e[0] for e in errs], [e[1] for e in errs]
-            print(f"\n{test}: {len(errs)} windows; start error {min(starts):+.3f}..{max(starts):+.3f}"
-                  f" s, end error {min(ends):+.3f}..{max(ends):+.3f} s")
+            print(f"\n{test}: {len(errs)} windows; start error "
+                  f"{min(starts):+.3f}..{max(starts):+.3f} s, end error "
+                  f"{min(ends):+.3f}..{max(ends):+.3f} s")
 
 
 def test_open_window_is_visible_before_it_closes():

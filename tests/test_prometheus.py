@@ -22,7 +22,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvprof import schema
 from kvprof.views.prometheus import Exporter
-
 from tests.conftest import (
     AT_STOP,
     UNTRACED,

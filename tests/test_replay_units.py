@@ -12,10 +12,10 @@ import pyarrow as pa
 import pytest
 
 from kvprof.analysis.fold import flatten
+from kvprof.phases.replayed import UNKNOWN, ReplayedWindows, new_edges
 from kvprof.replay.gate import Gate
 from kvprof.replay.issue import _at_their_times
 from kvprof.replay.stats import stretch
-from kvprof.phases.replayed import UNKNOWN, ReplayedWindows, new_edges
 from kvprof.schema import SLOT_NS
 
 MS = 1_000_000

@@ -37,7 +37,8 @@ def sample():
 
 def _phase(time_s=1.0, idle=None, **ops):
     def entry(ios=0, nbytes=0, p99=None, size=4096, bw=0.0):
-        return {"ios": ios, "bytes": nbytes, "bandwidth_bytes_per_s": bw, "iops": ios / time_s if time_s else 0.0,
+        return {"ios": ios, "bytes": nbytes, "bandwidth_bytes_per_s": bw,
+                "iops": ios / time_s if time_s else 0.0,
                 "latency_us": {"p50": p99, "p90": p99, "p99": p99, "p999": p99},
                 "size_hist": {str(size): ios} if ios else {}}
     ph = {"time_s": time_s, "block": {"read": entry(), "write": entry(),

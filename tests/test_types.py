@@ -1,6 +1,6 @@
-"""mypy over the package, as pyproject.toml configures it: the report's keys (kvprof/summary.py)
-are followed into every view, so a renamed or misspelt key fails here, not in one view at run
-time. Strict in the modules that define and build those types."""
+"""ruff over the tree and mypy over the package, as pyproject.toml configures them. mypy follows
+the report's keys (kvprof/summary.py) into every view, so a renamed or misspelt key fails here,
+not in one view at run time; it is strict in the modules that define and build those types."""
 from __future__ import annotations
 
 import subprocess
@@ -26,3 +26,9 @@ def test_mypy_fails_a_view_reading_a_key_the_report_does_not_have(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental", str(view)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 1 and '"time_idle"' in r.stdout, r.stdout
+
+
+def test_ruff_finds_nothing():
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -23,8 +23,8 @@ from kvprof import schema
 from kvprof.analysis.correlate import MAIN_OPS, phase_layer
 from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.summary import Summary
-from kvprof.views.findings import findings
 from kvprof.units import human_bytes, human_us
+from kvprof.views.findings import findings
 
 
 @dataclass(frozen=True)

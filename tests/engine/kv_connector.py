@@ -87,12 +87,12 @@ class FsTier:
 class LmcacheDisk:
     """LMCache's `LocalDiskBackend` with its CPU allocator: a buffered `.pt` file per chunk
     (here a chunk is one vLLM block), written by its disk worker threads and read back by
-    `batched_get_blocking`, which fans the reads out on `readers` threads (its
-    `disk_io_threads`: the parallel-read change); beyond `disk_gb` it evicts the least
-    recently used chunks and removes their files (its `max_local_disk_size`). The connector waits at the engine's save
-    point for LMCache's puts to finish (LMCache's own connector does not wait, and its writes
-    land in the steps after); LMCache keeps its index in memory, so a chunk is loaded only by
-    the worker that stored it."""
+    `batched_get_blocking`, which fans the reads out on `readers` threads (its `disk_io_threads`:
+    the parallel-read change); beyond `disk_gb` it evicts the least recently used chunks and removes
+    their files (its `max_local_disk_size`). The connector waits at the engine's save point for
+    LMCache's puts to finish (LMCache's own connector does not wait, and its writes land in the
+    steps after); LMCache keeps its index in memory, so a chunk is loaded only by the worker that
+    stored it."""
 
     cache = "lmcache-disk"
     direct = False
