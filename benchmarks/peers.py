@@ -8,7 +8,7 @@ tracer, fio with the tool attached, fio without again; the ratio is the attached
 the mean of the two bracketing baselines (so drift of the machine during a round cancels).
 Rounds interleave the tools, so a slow minute of the VM hits all of them alike. Printed: per
 job and tool the median ratio and its spread (min..max) over the rounds, then a Markdown table
-for the README.
+for docs/performance.md.
 
 Tools (each where it runs on this host; one that cannot attach is reported, not measured):
 - libbpf-tools `biolatency` and `biotop` (Debian's `libbpf-tools`: CO-RE binaries), filtered

@@ -142,7 +142,7 @@ SESSION = pa.schema(
         ("devices", pa.string()),
         # JSON: the filters and phase sources the session was recorded with.
         ("config", pa.string()),
-        # JSON: {reason: count} of events lost; the reasons are documented in the README.
+        # JSON: {reason: count} of events lost; the reasons are documented in docs/report.md.
         ("lost", pa.string()),
         # JSON: [{"source", "problems": {kind: count}, "last_error"}] per phase source.
         ("sources", pa.string()),

@@ -164,7 +164,7 @@ def phase_layer(ph: PhaseStats) -> DeviceLayer:
 def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
               view: ViewFilter = ViewFilter(), info: SessionInfo | None = None,
               windows: pa.Table | None = None, mixed: str = "apart") -> Summary:
-    """The report (kvprof/summary.py's `Summary`); its shape is documented in the README and
+    """The report (kvprof/summary.py's `Summary`); its shape is documented in docs/report.md and
     kept stable. `info`, `windows`: the session row and phase windows when the caller has
     just read them. `mixed`: "apart" (mixed windows are their own phase) or "split"
     (`split_mixed`).

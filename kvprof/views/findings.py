@@ -3,7 +3,7 @@
 A pure function of that dict, so `kvprof report`, its JSON, the dashboard and tests all say
 the same thing. Each finding names the rule it comes from and the report figures it rests on
 (`figures`: JSON paths into the report and their values), so a reader can check it. The
-rules (README, "Findings"):
+rules (docs/report.md, "Findings"):
 
 - per phase: a device busy most of the time with about one request in flight while busy
   (`block.inflight_mean` below 1.5) is kept busy by one request at a time, each waiting out
