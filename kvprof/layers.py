@@ -5,7 +5,7 @@ privileges it keeps and its CLI help are read from here by schema (`LAYERS`,
 `DEVICE_LAYERS`), system (`TRACEPOINTS`), capture/btf (`TRACEPOINTS`, `FIELDS`, `ENUMS`),
 privileges (`needed`), capture/ebpf (`PROBE_FILES`, the layer codes) and the CLI
 (`--layer`). Adding a layer is a probe file, its code in probes/kvprof.h and a descriptor
-here; tests/test_descriptors.py fails until the three agree.
+here; tests/unit/test_descriptors.py fails until the three agree.
 
 Only the standard library is imported, so that everything down to schema can read it.
 """

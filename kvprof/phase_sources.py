@@ -5,7 +5,7 @@ them, roles.py the engines' process roles, the CLI its help; kvprof/phases/regis
 under the same kind, how each is found by `auto` and built. The facts live apart from the
 registry because schema and roles sit below the phase sources (they cannot import them), and
 only the standard library is imported so that the CLI can read them without pyarrow.
-tests/test_descriptors.py fails while a kind misses a part.
+tests/unit/test_descriptors.py fails while a kind misses a part.
 """
 from __future__ import annotations
 

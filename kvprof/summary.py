@@ -4,7 +4,7 @@ The report is a public contract (`kvprof report --json`, the fleet Parquet, the 
 compare): its JSON is these dicts as they are, so they stay dicts, typed as TypedDicts
 rather than turned into classes. A type checker then follows every key a view reads
 (mypy runs over kvprof/ in the tests: a renamed key fails there, not in one view at run
-time), and tests/test_report_schema.py checks real reports against these very types, key
+time), and tests/unit/test_report_schema.py checks real reports against these very types, key
 for key, so the types cannot drift from what is produced.
 
 Maps keyed by data (phases, devices, caches, histogram buckets) are plain `dict[str, ...]`;

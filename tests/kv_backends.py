@@ -1,5 +1,5 @@
 """KV-cache chunk files written and read the way the offload backends do it, run as its own
-process by tests/test_syscall_layer.py (see ../shared/reference/engines.md):
+process by tests/live/test_syscall_layer.py (see ../shared/reference/engines.md):
 
 - vLLM's fs tier: one `<hash>.bin` per block, O_DIRECT, written whole, read back with
   `readv` into page-aligned buffers, from a pool of threads;

@@ -1,5 +1,5 @@
 """The real LMCache local disk backend (`lmcache.v1.storage_backend.local_disk_backend`),
-driven on CPU by tests/test_syscall_layer.py in an interpreter that has lmcache and torch
+driven on CPU by tests/live/test_syscall_layer.py in an interpreter that has lmcache and torch
 (`KVPROF_LMCACHE_PYTHON`): LMCache's own code and thread pools write and read its chunk files,
 kvprof only watches.
 

@@ -16,7 +16,7 @@ spans, each with its phase, from `fold.flatten`), a time range and a view filter
 session). `LiveRows` answers from the dashboard's row cache and its per-second rollup
 (`iocache.py`, `rollup.py`) when they hold the span asked about, and passes the question to
 its `SqlRows` when they do not. Correlate computes each measure once from the
-answers; tests/test_live_cache.py holds both implementations to the same numbers.
+answers; tests/unit/test_live_cache.py holds both implementations to the same numbers.
 """
 from __future__ import annotations
 

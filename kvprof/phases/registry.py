@@ -6,7 +6,7 @@ cover the same time, correlate keeps the most exact (hook > metrics > nvml).
 
 Each source is described once: its facts (rank, target, engine figures, roles, help) in
 kvprof/phase_sources.py, how it is found and built in SOURCES below, under the same kind;
-tests/test_descriptors.py fails while the two disagree.
+tests/unit/test_descriptors.py fails while the two disagree.
 """
 from __future__ import annotations
 

@@ -1,0 +1,307 @@
+"""Each capture layer and each phase source is described once; a part forgotten fails here.
+
+`layer_problems` and `source_problems` hold a descriptor table against what it must agree
+with (the probe files, probes/kvprof.h, the registry, `kvprof record -h`). They are run on
+the real tables, and on tables given a descriptor that forgets a part, as someone adding a
+layer or a source might: each such slip must be named, not found by a user.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from kvprof import cli, layers, phase_sources, privileges, roles, schema, system
+from kvprof.capture import btf, ebpf
+from kvprof.layers import Layer
+from kvprof.phase_sources import PhaseSourceKind
+from kvprof.phases import registry
+
+PROBES = Path(__file__).resolve().parents[2] / "probes"
+LAYER_HELP_COLUMNS = 68  # beside a 12-column name: 80 in all
+SOURCE_HELP_COLUMNS = 53  # beside a 27-column usage
+
+
+def record_help() -> str:
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices["record"].format_help()
+
+
+def attached(probe_text: str) -> tuple[set[str], set[str]]:
+    """The (classic "group/name", raw "name") tracepoints a probe file attaches."""
+    classic = {f"{g}/{n}" for g, n in
+               re.findall(r"^\s*TRACEPOINT_PROBE\(\s*(\w+)\s*,\s*(\w+)\s*\)", probe_text, re.M)}
+    raw = set(re.findall(r"^\s*RAW_TRACEPOINT_PROBE\(\s*(\w+)\s*\)", probe_text, re.M))
+    return classic, raw
+
+
+def layer_problems(table: tuple[Layer, ...] | None = None, probes: Path = PROBES,
+                   help_text: str | None = None) -> list[str]:
+    """Everything a layer table gets wrong, one line each; empty when it holds."""
+    table = layers.LAYERS if table is None else table
+    help_text = record_help() if help_text is None else help_text
+    header = (probes / "kvprof.h").read_text()
+    codes = {f"KVPROF_LAYER_{m[0]}": int(m[1]) for m in
+             re.findall(r"^#define KVPROF_LAYER_(\w+)\s+(\d+)", header, re.M)}
+    out = []
+    names = [x.name for x in table]
+    if len(set(names)) != len(names):
+        out.append(f"layer names repeat: {names}")
+    device = [x.device for x in table]
+    if device != sorted(device, reverse=True):
+        out.append("device layers must come first (views index them by code)")
+    for i, x in enumerate(table):
+        where = f"layer {x.name!r}"
+        if x.code != i:
+            out.append(f"{where}: code {x.code} is not its index {i} in the table")
+        c_name = f"KVPROF_LAYER_{x.name.upper()}"
+        if c_name not in codes:
+            out.append(f"{where}: probes/kvprof.h has no #define {c_name}")
+        elif codes[c_name] != x.code:
+            out.append(f"{where}: probes/kvprof.h defines {c_name} {codes[c_name]}, "
+                       f"the descriptor code {x.code}")
+        probe = probes / x.probe
+        if not probe.is_file():
+            out.append(f"{where}: probe file probes/{x.probe} does not exist")
+        else:
+            classic, raw = attached(probe.read_text())
+            listed_raw = {t for t in x.tracepoints if t.split("/", 1)[-1] in x.raw_args}
+            want_classic = (set(x.tracepoints) - listed_raw) | set(x.optional_tracepoints)
+            for tp in sorted(want_classic - classic):
+                out.append(f"{where}: lists tracepoint {tp}, which probes/{x.probe} does not "
+                           "attach")
+            for tp in sorted(classic - want_classic):
+                out.append(f"{where}: probes/{x.probe} attaches tracepoint {tp}, which the "
+                           "descriptor does not list")
+            for tp in sorted(set(x.raw_args) ^ raw):
+                out.append(f"{where}: raw tracepoint {tp} is in "
+                           + ("raw_args only" if tp in x.raw_args else f"probes/{x.probe} only"))
+        for tp in sorted(set(x.raw_args) - {t.split("/", 1)[-1] for t in x.tracepoints}):
+            out.append(f"{where}: raw_args names {tp}, which its tracepoints do not")
+        for tp in x.tracepoints + x.optional_tracepoints:
+            if not re.fullmatch(r"\w+/\w+", tp):
+                out.append(f"{where}: tracepoint {tp!r} is not group/name")
+        for cap in x.privileges:
+            if cap not in privileges.CAP_NUMBERS:
+                out.append(f"{where}: privilege {cap} is not one privileges.py knows")
+        if not x.help or len(x.help) > LAYER_HELP_COLUMNS:
+            out.append(f"{where}: needs a help line of 1..{LAYER_HELP_COLUMNS} characters")
+        elif not re.search(rf"^  {re.escape(x.name)}\s+{re.escape(x.help)}$", help_text, re.M):
+            out.append(f"{where}: not listed in `kvprof record -h`")
+    return out
+
+
+def source_problems(table: tuple[PhaseSourceKind, ...] | None = None,
+                    built: dict[str, registry.Source] | None = None,
+                    help_text: str | None = None) -> list[str]:
+    """Everything the phase source facts and the registry get wrong together, one line each."""
+    table = phase_sources.PHASE_SOURCES if table is None else table
+    built = registry.SOURCES if built is None else built
+    help_text = record_help() if help_text is None else help_text
+    out = []
+    kinds = [k.kind for k in table]
+    if len(set(kinds)) != len(kinds):
+        out.append(f"phase source kinds repeat: {kinds}")
+    for kind in sorted(set(built) - set(kinds)):
+        out.append(f"registry.SOURCES has {kind!r}, which kvprof/phase_sources.py does not")
+    ranks: dict[str, set[int]] = {}
+    for k in table:
+        where = f"phase source {k.kind!r}"
+        how = built.get(k.kind)
+        if how is None:
+            out.append(f"{where}: no entry in registry.SOURCES (how it is built and found)")
+        elif k.built and how.build is None:
+            out.append(f"{where}: runs in a thread but registry.SOURCES has no builder")
+        elif not k.built and how.build is not None:
+            out.append(f"{where}: has a builder but is marked as not built")
+        if how is not None and how.discover is not None and not k.built:
+            out.append(f"{where}: discovered but never built")
+        if k.label is not None and k.rank is None:
+            out.append(f"{where}: brings windows labelled {k.label!r} but has no rank")
+        if k.rank is not None and k.label is None:
+            out.append(f"{where}: has a rank but no label for its windows")
+        if k.label is not None and k.rank is not None:
+            ranks.setdefault(k.label, set()).add(k.rank)
+        if k.default_target and not k.target:
+            out.append(f"{where}: has a default target but takes none")
+        for figure, pairs in k.means.items():
+            if not all(len(p) == 2 and all(isinstance(n, str) for n in p) for p in pairs):
+                out.append(f"{where}: engine figure {figure} is not (sum, count) pairs")
+        for pattern, _ in k.roles:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                out.append(f"{where}: role pattern {pattern!r}: {e}")
+        if not k.help or len(k.help) > SOURCE_HELP_COLUMNS:
+            out.append(f"{where}: needs a help line of 1..{SOURCE_HELP_COLUMNS} characters")
+        elif not re.search(rf"^  {re.escape(cli.source_usage(k))}\s+{re.escape(k.help)}$",
+                           help_text, re.M):
+            out.append(f"{where}: not listed in `kvprof record -h`")
+    for label, seen in ranks.items():
+        if len(seen) > 1:
+            out.append(f"windows labelled {label!r} are given several ranks: {sorted(seen)}")
+    return out
+
+
+# -- the real tables ------------------------------------------------------------------------
+
+def test_every_layer_is_complete_and_agrees_with_its_probe():
+    assert layer_problems() == []
+
+
+def test_every_phase_source_is_complete():
+    assert source_problems() == []
+
+
+def test_the_old_names_follow_the_layer_table():
+    assert schema.LAYERS == tuple(x.name for x in layers.LAYERS)
+    assert schema.DEVICE_LAYERS == tuple(x.name for x in layers.LAYERS if x.device)
+    assert ebpf.PROBE_FILES == {x.name: x.probe for x in layers.LAYERS}
+    assert [ebpf.LAYER_BLOCK, ebpf.LAYER_URING, ebpf.LAYER_SYSCALL, ebpf.LAYER_TCP,
+            ebpf.LAYER_GDS] == [schema.LAYERS.index(n) for n in
+                                ("block", "io_uring", "syscall", "tcp", "gds")]
+    # Every tracepoint a layer needs is checked by doctor and before recording.
+    assert system.TRACEPOINTS == {x.name: x.tracepoints for x in layers.LAYERS if x.tracepoints}
+    assert {t for tps in system.TRACEPOINTS.values() for t in tps} >= {
+        f"{x.tracepoints[0].split('/')[0]}/{name}" for x in layers.LAYERS for name in x.raw_args}
+    assert set(btf.TRACEPOINTS) == set(btf.FIELDS) == {x.name for x in layers.LAYERS
+                                                        if x.raw_args}
+    for x in layers.LAYERS:
+        assert privileges.needed((x.name,)) == {privileges.CAP_NUMBERS[c] for c in x.privileges}
+
+
+def test_the_cli_offers_exactly_the_layers_and_sources():
+    record = next(a for a in cli.build_parser()._actions if a.dest == "command").choices["record"]
+    layer = next(a for a in record._actions if a.dest == "layer")
+    assert list(layer.choices) == list(schema.LAYERS)
+    for k in phase_sources.PHASE_SOURCES:
+        assert registry.parse(k.kind + (f"={k.default_target or 'x'}" if k.target else "")).kind \
+            == k.kind
+
+
+def test_schema_and_roles_take_their_figures_from_the_sources():
+    assert schema.SOURCE_RANK == {"hook": 3, "manual": 3, "metrics": 2, "nvml": 1}
+    assert set(schema.ENGINE_MEANS) == {"ttft_s", "itl_s", "prefix_cache_hit_share"}
+    # The first pair a session has is used: vLLM's own before the older spelling.
+    assert schema.ENGINE_MEANS["itl_s"][0][0] == "vllm:inter_token_latency_seconds_sum"
+    assert all(pair in schema.ENGINE_MEANS[f] for k in phase_sources.PHASE_SOURCES
+               for f, pairs in k.means.items() for pair in pairs)
+    assert roles.role("VLLM::EngineCore_DP0") == "vllm EngineCore"
+    assert roles.role("text-generation-router --port 1") == "tgi router"
+
+
+class FakeSampler:
+    """Stands in for NVML on a host without a GPU: only the builder's wiring is tested."""
+
+    def __init__(self, gpus=None, on_lost=None):
+        self.gpu_indices = []
+
+
+@pytest.mark.parametrize("kind", [k.kind for k in phase_sources.PHASE_SOURCES if k.built])
+def test_every_built_source_is_constructible(kind, monkeypatch):
+    from kvprof.phases import nvml
+
+    monkeypatch.setattr(nvml, "NvmlSampler", FakeSampler)
+    facts = phase_sources.PHASE_SOURCE_KINDS[kind]
+    target = facts.default_target or ("tcp://127.0.0.1:1" if facts.target else None)
+    source = registry.build(registry.parse(kind + (f"={target}" if target else "")))
+    assert source.name == kind
+
+
+# -- descriptors that forget a part ----------------------------------------------------------
+
+def fake_layer(**changes) -> Layer:
+    return dataclasses.replace(layers.TCP, name="fake", code=len(layers.LAYERS), **changes)
+
+
+def test_a_layer_without_a_probe_file_fails(monkeypatch):
+    monkeypatch.setattr(layers, "LAYERS", layers.LAYERS + (fake_layer(probe="fake.bpf.c"),))
+    problems = layer_problems()
+    assert "layer 'fake': probe file probes/fake.bpf.c does not exist" in problems
+    assert "layer 'fake': probes/kvprof.h has no #define KVPROF_LAYER_FAKE" in problems
+
+
+def test_a_layer_listing_tracepoints_its_probe_does_not_attach_fails(monkeypatch):
+    tcp = dataclasses.replace(layers.TCP, tracepoints=layers.TCP.tracepoints[:-1]
+                              + ("sock/sock_rcvqueue_full",))
+    monkeypatch.setattr(layers, "LAYERS", layers.LAYERS[:3] + (tcp,) + layers.LAYERS[4:])
+    assert layer_problems() == [
+        "layer 'tcp': lists tracepoint sock/sock_rcvqueue_full, which probes/tcp.bpf.c does "
+        "not attach",
+        "layer 'tcp': probes/tcp.bpf.c attaches tracepoint sock/inet_sock_set_state, which "
+        "the descriptor does not list"]
+
+
+def test_a_layer_whose_raw_tracepoints_differ_from_its_probe_fails(monkeypatch):
+    args = dict(layers.BLOCK.raw_args)
+    del args["block_rq_requeue"]
+    block = dataclasses.replace(layers.BLOCK, raw_args=args)
+    monkeypatch.setattr(layers, "LAYERS", (block,) + layers.LAYERS[1:])
+    assert "layer 'block': raw tracepoint block_rq_requeue is in probes/block.bpf.c only" \
+        in layer_problems()
+
+
+def test_a_layer_whose_code_disagrees_with_the_header_fails(monkeypatch, tmp_path):
+    for f in PROBES.iterdir():
+        if f.suffix in (".c", ".h"):
+            (tmp_path / f.name).write_text(f.read_text().replace(
+                "#define KVPROF_LAYER_GDS 4", "#define KVPROF_LAYER_GDS 5"))
+    assert layer_problems(probes=tmp_path) == [
+        "layer 'gds': probes/kvprof.h defines KVPROF_LAYER_GDS 5, the descriptor code 4"]
+
+
+def test_a_layer_with_an_unknown_privilege_or_no_help_fails(monkeypatch):
+    monkeypatch.setattr(layers, "LAYERS", layers.LAYERS[:-1] + (dataclasses.replace(
+        layers.GDS, privileges=("CAP_SYS_NICE",), help=""),))
+    assert layer_problems() == [
+        "layer 'gds': privilege CAP_SYS_NICE is not one privileges.py knows",
+        f"layer 'gds': needs a help line of 1..{LAYER_HELP_COLUMNS} characters"]
+
+
+def test_a_layer_missing_from_the_cli_fails(monkeypatch):
+    help_before = record_help()  # as if the CLI listed its layers by hand
+    monkeypatch.setattr(layers, "LAYERS", layers.LAYERS + (fake_layer(),))
+    assert "layer 'fake': not listed in `kvprof record -h`" in layer_problems(
+        help_text=help_before)
+
+
+FAKE = PhaseSourceKind("fake-hook", "a fake engine hook", label="fake", rank=3)
+
+
+def test_a_source_without_a_rank_fails(monkeypatch):
+    monkeypatch.setattr(phase_sources, "PHASE_SOURCES", phase_sources.PHASE_SOURCES
+                        + (dataclasses.replace(FAKE, rank=None),))
+    monkeypatch.setitem(registry.SOURCES, "fake-hook", registry.Source(lambda target: None))
+    assert source_problems() == [
+        "phase source 'fake-hook': brings windows labelled 'fake' but has no rank"]
+
+
+def test_a_source_the_registry_cannot_build_fails(monkeypatch):
+    monkeypatch.setattr(phase_sources, "PHASE_SOURCES", phase_sources.PHASE_SOURCES + (FAKE,))
+    assert source_problems() == [
+        "phase source 'fake-hook': no entry in registry.SOURCES (how it is built and found)"]
+    monkeypatch.setitem(registry.SOURCES, "fake-hook", registry.Source())
+    assert source_problems() == [
+        "phase source 'fake-hook': runs in a thread but registry.SOURCES has no builder"]
+
+
+def test_a_source_missing_from_the_cli_help_fails(monkeypatch):
+    help_before = record_help()  # as if the CLI listed its sources by hand
+    monkeypatch.setattr(phase_sources, "PHASE_SOURCES", phase_sources.PHASE_SOURCES + (FAKE,))
+    monkeypatch.setitem(registry.SOURCES, "fake-hook", registry.Source(lambda target: None))
+    assert source_problems(help_text=help_before) == [
+        "phase source 'fake-hook': not listed in `kvprof record -h`"]
+    monkeypatch.setattr(phase_sources, "PHASE_SOURCES", phase_sources.PHASE_SOURCES[:-1]
+                        + (dataclasses.replace(FAKE, help=""),))
+    assert source_problems() == [
+        f"phase source 'fake-hook': needs a help line of 1..{SOURCE_HELP_COLUMNS} characters"]
+
+
+def test_a_label_given_two_ranks_fails(monkeypatch):
+    monkeypatch.setattr(phase_sources, "PHASE_SOURCES", phase_sources.PHASE_SOURCES
+                        + (dataclasses.replace(FAKE, label="metrics"),))
+    monkeypatch.setitem(registry.SOURCES, "fake-hook", registry.Source(lambda target: None))
+    assert source_problems() == ["windows labelled 'metrics' are given several ranks: [2, 3]"]

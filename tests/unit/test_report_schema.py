@@ -1,0 +1,50 @@
+"""The JSON report is a public contract: pinned byte for byte on the recorded sample, and
+every report checked against the types that define it (kvprof/summary.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvprof.summary import Report
+from tests.helpers import run_kvprof
+from tests.report_shape import check
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+
+
+@pytest.mark.parametrize("args, golden", [
+    (("--json",), "report-demo.json"),
+    (("--json", "--mixed", "split"), "report-demo-split.json"),
+    ((), "report-demo.txt"),
+])
+def test_the_sample_report_is_byte_for_byte_the_pinned_one(args, golden):
+    r = run_kvprof("report", str(ROOT / "samples" / "demo"), *args)
+    assert r.returncode == 0, r.stderr
+    # (the text report's first line names the session as given)
+    assert r.stdout.replace(f"{ROOT}/", "") == (GOLDEN / golden).read_text()
+
+
+def test_the_sample_report_has_exactly_the_typed_shape():
+    check(json.loads((GOLDEN / "report-demo.json").read_text()), Report)
+
+
+def test_the_shape_check_fails_a_renamed_or_missing_key_and_a_wrong_type():
+    good = json.loads((GOLDEN / "report-demo.json").read_text())
+    ph = good["phases"]["decode"]
+    for broken, why in (
+        (lambda r: r["phases"]["decode"]["block"].update(idle_pct=r["phases"]["decode"]
+                                                         ["block"].pop("time_idle_pct")),
+         "missing ['time_idle_pct'] (BlockLayer)"),
+        (lambda r: r["session"].pop("lost_events"), "missing ['lost_events']"),
+        (lambda r: r["phases"]["decode"]["block"]["read"].update(ios=1.5), "is not int"),
+        (lambda r: r["engine"].update(ttft_s="1"), "is none of"),
+    ):
+        r = json.loads(json.dumps(good))
+        broken(r)
+        with pytest.raises(AssertionError, match=r"report\.") as e:
+            check(r, Report)
+        assert why in str(e.value)
+    assert ph["block"]["read"]["ios"] > 0  # (the sample does have reads to break)
