@@ -47,8 +47,7 @@ class Layer:
 # Rows a second of the device layers (block, io_uring) the event tier keeps by default before
 # it samples (record --event-rate). The aggregate tier counts every request whatever this is;
 # the rows are for percentiles and who issued what, which a sample of this many a second
-# answers. At 50 000 the recorder's Arrow and DuckDB work took ~0.1 core more at 200 k IOPS
-# (benchmarks/peers.py, #24).
+# answers; more costs the recorder's Arrow and DuckDB work CPU at high IOPS (docs/performance.md).
 DEVICE_EVENT_RATE = 10_000
 
 _SYSCALLS = ("read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64", "writev",

@@ -70,13 +70,11 @@ static __always_inline u32 rq_dev(void *rq, u32 *idx, int *ok)
 }
 
 /* A request we held as in flight whose completion we never saw: it is over by the time it
- * starts again (the kernel reuses a request only once it is freed). The kernel skips a
- * program that would nest in itself on one CPU (recursion_misses), and on the Firecracker
- * test VMs runs no BPF program, and counts no miss, for a completion it serves in a softirq
- * on top of the VM agent's threads (PID 1; ftrace's event fires). diskstats counts them
- * complete, and so does the aggregate tier, in the slot they were issued in, with their size
- * and queue time and no service time (unknown); the event tier has no row for them and
- * reports them lost. */
+ * starts again (the kernel reuses a request only once it is freed). The kernel may run no
+ * BPF program for a completion (one that would nest in itself on a CPU, and some served in
+ * a softirq, where ftrace's event still fires). diskstats counts them complete, and so does
+ * the aggregate tier, in the slot they were issued in, with their size and queue time and
+ * no service time (unknown); the event tier has no row for them and reports them lost. */
 static __always_inline void forget_unseen(struct kvprof_inflight *s, u64 now)
 {
     /* A request the filters (-p, --cgroup) leave out was never going to be recorded: its
