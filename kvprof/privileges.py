@@ -124,12 +124,11 @@ def holders(mask: int | None = None) -> list[str]:
     out = []
     for tid in os.listdir("/proc/self/task"):
         try:
-            status = Path(f"/proc/self/task/{tid}/status").read_text()
+            held = thread_mask(int(tid))
             comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
         except OSError:
             continue  # ended meanwhile
-        caps = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
-        if any(int(caps[k], 16) & ~mask for k in ("CapEff", "CapPrm")):
+        if held & ~mask:
             out.append(f"{comm} ({tid})")
     return out
 

@@ -165,7 +165,7 @@ class KvprofStatLogger(StatLoggerBase):
         self.errors = 0
         self.skipped: dict[str, int] = {}  # steps with tokens that got no window, by why
         self._last_end: dict[int, int] = {}
-        self.scheduled_times = keep_scheduled_times()
+        keep_scheduled_times()
         # The one line vLLM's log shows at start: what the plugin does and where it sends.
         _log.info("kvprof: a phase window per step of engine %d, timed by vLLM's own "
                   "measurements (no vLLM option needed), to %s", self.engine_index,
@@ -205,13 +205,10 @@ class KvprofStatLogger(StatLoggerBase):
                 self._skip("it carried no tokens")
             return
         end = self._end(iteration_stats, now)
-        begun = self._scheduled(iteration_stats, end)
+        begun = self._start(details, iteration_stats, end)
         if begun is None:
-            length = self._length(details, iteration_stats)
-            if length is None:
-                self._skip("vLLM measured no time for it")
-                return
-            begun = end - length
+            self._skip("vLLM measured no time for it")
+            return
         start = max(begun, self._last_end.get(engine_idx, 0))
         if start >= end:
             self._skip("it ended before the previous step did")
@@ -250,30 +247,23 @@ class KvprofStatLogger(StatLoggerBase):
                 return mono - lag
         return now
 
-    def _scheduled(self, iteration_stats: Any, end: int) -> int | None:
-        """For a step that only finished prefills, when the engine core scheduled the
-        earliest of them (ns, CLOCK_MONOTONIC: the engine core's clock is this one), else
-        None."""
-        if _seconds(getattr(iteration_stats, "inter_token_latencies_iter", None)):
-            return None
-        times = getattr(iteration_stats, SCHEDULED, None)  # floats > 0, as kept above
-        if not isinstance(times, list) or not times:
-            return None
-        begun = int(min(times) * 1e9)
-        return begun if begun < end else None
-
     @staticmethod
-    def _length(details: Any, iteration_stats: Any) -> int | None:
-        """The step's length in ns, from what vLLM measured for it (see the module doc)."""
+    def _start(details: Any, iteration_stats: Any, end: int) -> int | None:
+        """When the step began (ns, CLOCK_MONOTONIC), from what vLLM measured for it (see the
+        module doc); None when it measured nothing."""
         itls = _seconds(getattr(iteration_stats, "inter_token_latencies_iter", None))
         if itls:
-            return int(min(itls) * 1e9)
+            return end - int(min(itls) * 1e9)
+        # Engine-core time.monotonic() seconds, as keep_scheduled_times keeps them: this clock.
+        scheduled = getattr(iteration_stats, SCHEDULED, None)
+        if isinstance(scheduled, list) and scheduled and int(min(scheduled) * 1e9) < end:
+            return int(min(scheduled) * 1e9)
         ttfts = _seconds(getattr(iteration_stats, "time_to_first_tokens_iter", None))
         if ttfts:
-            return int(max(ttfts) * 1e9)
+            return end - int(max(ttfts) * 1e9)
         elapsed = getattr(details, "elapsed_ms", None) if details is not None else None
         if isinstance(elapsed, (int, float)) and not isinstance(elapsed, bool) and elapsed > 0:
-            return int(elapsed * 1e6)
+            return end - int(elapsed * 1e6)
         return None
 
     def log(self) -> None:
