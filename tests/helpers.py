@@ -298,6 +298,21 @@ def assert_same_report(ours, ref, path: str = "") -> None:
         assert ours == ref, (path, ours, ref)
 
 
+def report_both_ways(con) -> dict:
+    """The session's report by SQL, held first to the one the dashboard's row cache and
+    per-second rollup give for the same session (they must agree key for key)."""
+    from kvprof.analysis.correlate import summarize
+    from kvprof.analysis.iocache import IoCache
+    from kvprof.analysis.rollup import Rollup
+    from kvprof.analysis.rowsource import LiveRows, SqlRows
+
+    report = summarize(SqlRows(con))
+    live = Rollup(IoCache())
+    live.cache.refresh(con)
+    assert_same_report(summarize(LiveRows(SqlRows(con), live)), report)
+    return report
+
+
 def calls_near_edges(session: Path, late_s: float) -> int:
     """The recorded file calls issued less than `late_s` before a window's start or end: a
     replay that issued them that late put them in the next window."""

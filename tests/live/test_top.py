@@ -20,7 +20,7 @@ from kvprof.store.session import Reader, open_replay, session_info
 from kvprof.views.findings import findings, phase_finding
 from kvprof.views.report import to_text
 from kvprof.views.snapshot import Clock, build_snapshot
-from tests.helpers import KVPROF, assert_same_report, live, run_kvprof
+from tests.helpers import KVPROF, assert_same_report, live, report_both_ways, run_kvprof
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "samples" / "demo"
@@ -125,9 +125,6 @@ def test_rows_seen_before_the_sessions_first_timestamp_stay_in_their_window(tmp_
     import duckdb
 
     from kvprof.analysis.correlate import timeline
-    from kvprof.analysis.iocache import IoCache
-    from kvprof.analysis.rollup import Rollup
-    from kvprof.analysis.rowsource import LiveRows
 
     shutil.copytree(SAMPLE, tmp_path / "s")
     with duckdb.connect(str(tmp_path / "s" / "session.duckdb")) as con:
@@ -148,9 +145,7 @@ def test_rows_seen_before_the_sessions_first_timestamp_stay_in_their_window(tmp_
     con = open_replay(tmp_path / "s")
     try:
         # The dashboard's row cache and the visual report's timeline count them so too.
-        live = Rollup(IoCache())
-        live.cache.refresh(con)
-        assert_same_report(summarize(LiveRows(SqlRows(con), live)), summarize(SqlRows(con)))
+        report_both_ways(con)
         binned: dict = {}
         for s in timeline(SqlRows(con))["series"].values():
             key = (s["phase"], s["layer"], s["op"])
@@ -525,9 +520,6 @@ def test_queue_and_device_quantiles_equal_numpy_on_the_rows_whatever_waited_in_a
     import duckdb
     import numpy as np
 
-    from kvprof.analysis.iocache import IoCache
-    from kvprof.analysis.rollup import Rollup
-    from kvprof.analysis.rowsource import LiveRows
 
     shutil.copytree(SAMPLE, tmp_path / "s")
     waited = {"none": "FALSE", "some": "issue_ns % 3 = 0", "all": "TRUE"}[queued]
@@ -548,10 +540,7 @@ def test_queue_and_device_quantiles_equal_numpy_on_the_rows_whatever_waited_in_a
         want[(p, op)][1].append(d)
     con = open_replay(tmp_path / "s")
     try:
-        report = summarize(SqlRows(con))
-        live = Rollup(IoCache())
-        live.cache.refresh(con)
-        assert_same_report(summarize(LiveRows(SqlRows(con), live)), report)
+        report = report_both_ways(con)
     finally:
         con.close()
     qs = [q for _, q in schema.QUANTILES]

@@ -179,12 +179,8 @@ def test_inflight_mean_is_the_summed_device_time_over_the_busy_time(tmp_path, se
 
     import duckdb
 
-    from kvprof.analysis.correlate import summarize
-    from kvprof.analysis.iocache import IoCache
-    from kvprof.analysis.rollup import Rollup
-    from kvprof.analysis.rowsource import LiveRows, SqlRows
     from kvprof.store.session import open_replay, session_info
-    from tests.helpers import assert_same_report
+    from tests.helpers import report_both_ways
 
     shutil.copytree(Path(__file__).resolve().parents[2] / "samples" / "demo", tmp_path / "s")
     db = tmp_path / "s" / "session.duckdb"
@@ -230,10 +226,7 @@ def test_inflight_mean_is_the_summed_device_time_over_the_busy_time(tmp_path, se
     con = open_replay(tmp_path / "s")
     try:
         info = session_info(con)
-        report = summarize(SqlRows(con))
-        live = Rollup(IoCache())
-        live.cache.refresh(con)
-        assert_same_report(summarize(LiveRows(SqlRows(con), live)), report)
+        report = report_both_ways(con)
     finally:
         con.close()
     # The session's time in phase pieces: its windows, idle between them.
