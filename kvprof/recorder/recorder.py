@@ -50,7 +50,6 @@ if TYPE_CHECKING:
 # view reads (`kvprof top`); 0.5 s still keeps a killed recording's loss under a second.
 FLUSH_INTERVAL_S = 0.5
 LIVE_FLUSH_INTERVAL_S = 0.25
-RESERVE_BYTES = 4 << 20
 LOST_EVERY = 4  # flushes between updates of the session row's loss counts
 
 
