@@ -21,6 +21,7 @@ from tests.helpers import (
     WRITE_IOS,
     WRITE_SECTORS,
     assert_kernel_count,
+    forgiven,
     live,
     require,
     settle,
@@ -253,7 +254,10 @@ def test_a_busy_process_loses_nothing_it_does_not_count(start_recorder, tmp_path
           f"lost {report['session']['lost_events']} {lost}")
     assert rate >= 50_000
     assert paths == [str(data)]
-    assert_kernel_count(got, calls, report)
+    # A flood past what the ring drains: its drops are this test's subject, each counted
+    # (measured: 13 664 of 979 000 calls, 1.4 %, in CI); no other loss is forgiven.
+    missed = forgiven(report, calls, "ringbuf_reserve_failed", share=0.05)
+    assert 0 <= calls - got <= missed, (got, calls, lost)
     assert nbytes == got * 512
 
 
