@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from tests import helpers
 from tests.helpers import (
     FUZZ_COUNTS,
     KVPROF,
+    CompletionWitness,
     Recorder,
+    can_trace,
     mounted_ext4,
     private_loop,
     require,
@@ -40,6 +43,26 @@ def calibration_store(tmp_path, monkeypatch):
     store = tmp_path / "calibration"
     monkeypatch.setenv("KVPROF_CALIBRATION_DIR", str(store))
     return store
+
+
+@pytest.fixture(scope="session")
+def completion_witness():
+    """The block completions' witness (helpers.CompletionWitness) for the whole run, where
+    tests may trace."""
+    if can_trace() is not None:
+        yield None
+        return
+    helpers.WITNESS = CompletionWitness()
+    yield helpers.WITNESS
+    helpers.WITNESS.close()
+    helpers.WITNESS = None
+
+
+@pytest.fixture(autouse=True)
+def untraced_since_test_start(completion_witness):
+    """Where each test began, for what `forgiven` may forgive as untraced."""
+    if completion_witness is not None:
+        helpers.TEST_STARTED = completion_witness.mark()
 
 
 @pytest.fixture

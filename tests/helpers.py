@@ -230,13 +230,13 @@ def run_kvprof(*args: str, env: dict | None = None, prefix: list[str] | None = N
                           timeout=timeout, env=env)
 
 
-# On the Firecracker test VMs a completion the kernel serves in a softirq on top of the VM
-# agent's threads (PID 1) runs no BPF program and counts no miss (ftrace's event fires; a few
-# in 10 000 requests under load, fewer idle; bpftrace and biolatency lose the same ones:
-# tests/live/test_biolatency.py). diskstats counts them. kvprof counts each as a loss of the event
-# tier: when the kernel starts that request again (NOT_SEEN; the exact tier counts it then, as
-# diskstats does), or, not started again by the stop, as held then (AT_STOP: counted by
-# neither tier).
+# On the Firecracker test VMs the kernel completes some block requests without running the
+# BPF programs on block_rq_complete, and counts no miss (ftrace's event fires): a few in
+# 10 000 requests under load, up to 1.6e-3 in a burst, none idle; bpftrace and biolatency lose
+# the same ones (tests/live/test_biolatency.py). diskstats counts them. kvprof counts each as
+# a loss of the event tier: when the kernel starts that request again (NOT_SEEN; the exact tier
+# counts it then, as diskstats does), or, not started again by the stop, as held then (AT_STOP:
+# counted by neither tier). A test forgives those only as far as CompletionWitness proves them.
 NOT_SEEN = "block_completion_not_seen"
 
 
@@ -246,10 +246,72 @@ AT_STOP = "block_in_flight_at_stop"
 UNTRACED = (NOT_SEEN, AT_STOP)
 
 
-# The most a test forgives as lost, whatever kvprof reports: this share of the requests it
-# made, and two. Measured on loop devices over memory: 1-5 in ~33 000 reads under load (up to
-# 1.5e-4), 32 in 766 854 at full rate (4e-5), none idle.
+# The most a test forgives as lost for other reasons, whatever kvprof reports: this share of
+# the requests it made, and two.
 FORGIVEN_SHARE = 5e-4
+
+
+class CompletionWitness:
+    """The machine's block completions as two witnesses other than kvprof count them, at any
+    moment: ftrace's own block_rq_complete events in a tracefs instance of the tests' (the
+    kernel fires them whether or not a BPF program runs; those the small buffer overwrote count
+    as its overruns) and the runs of a BPF program of the tests' on the same tracepoint. What
+    the first counted and the second did not, the kernel completed without running BPF."""
+
+    PROGRAM = r"""
+BPF_PERCPU_ARRAY(runs, u64, 1);
+RAW_TRACEPOINT_PROBE(block_rq_complete) {
+    int zero = 0;
+    u64 *n = runs.lookup(&zero);
+    if (n)
+        (*n)++;
+    return 0;
+}
+"""
+
+    def __init__(self) -> None:
+        from kvprof.capture.bccload import load_bcc
+
+        root = system.tracefs()
+        if root is None:
+            raise OSError("tracefs is not mounted")
+        self.bpf = load_bcc().BPF(text=self.PROGRAM)
+        self.inst = root / "instances" / f"kvprof-witness-{os.getpid()}"
+        self.inst.mkdir()
+        (self.inst / "buffer_size_kb").write_text("8")
+        (self.inst / "events/block/block_rq_complete/enable").write_text("1")
+
+    def fired(self) -> int:
+        n = 0
+        for stats in self.inst.glob("per_cpu/cpu*/stats"):
+            f = dict(line.split(": ", 1) for line in stats.read_text().splitlines())
+            # Overwritten events are counted; events dropped otherwise would not be.
+            assert int(f["commit overrun"]) == int(f["dropped events"]) == 0, f
+            n += int(f["entries"]) + int(f["overrun"])
+        return n
+
+    def runs(self) -> int:
+        return sum(self.bpf["runs"][0])
+
+    def mark(self) -> tuple[int, int]:
+        # ftrace first: a completion between the two reads can only make `proven` larger.
+        return self.fired(), self.runs()
+
+    def proven(self, since: tuple[int, int]) -> int:
+        """Completions the kernel ran no BPF for since `since` (a mark())."""
+        runs = self.runs()
+        return self.fired() - since[0] - (runs - since[1])
+
+    def close(self) -> None:
+        (self.inst / "events/block/block_rq_complete/enable").write_text("0")
+        self.inst.rmdir()
+        self.bpf.cleanup()
+
+
+# The witness, while live tests run (conftest.py starts it once and marks where each test
+# began); None where there is none (no root), and the untraced then held to FORGIVEN_SHARE.
+WITNESS: CompletionWitness | None = None
+TEST_STARTED: tuple[int, int] = (0, 0)
 
 
 def lost_to(report: dict, reasons: str | tuple[str, ...] = UNTRACED) -> int:
@@ -260,14 +322,24 @@ def lost_to(report: dict, reasons: str | tuple[str, ...] = UNTRACED) -> int:
 
 def forgiven(report: dict, requests: int, reasons: str | tuple[str, ...] | None = UNTRACED,
              share: float = FORGIVEN_SHARE) -> int:
-    """What the report says was lost for `reasons` (None: for any reason), held first to at
-    most `share` of the `requests` the kernel served (or the test made), and two: a count
-    kvprof over-reports cannot excuse a shortfall."""
-    lost = lost_to(report, reasons) if reasons else report["session"]["lost_events"]
+    """What the report says was lost for `reasons` (None: for any reason): of UNTRACED's, no
+    more than the witness proves the kernel completed untraced since the test began; of the
+    others, at most `share` of the `requests` the kernel served (or the test made), and two. A
+    count kvprof over-reports cannot excuse a shortfall."""
+    by = report["session"]["lost_by_reason"]
+    names = tuple(by) if reasons is None else (reasons,) if isinstance(reasons, str) else reasons
+    untraced = sum(by.get(r, 0) for r in names if r in UNTRACED)
+    other = sum(by.get(r, 0) for r in names if r not in UNTRACED)
+    if WITNESS is not None:
+        proven = WITNESS.proven(TEST_STARTED)
+        assert untraced <= proven, (f"{untraced} reported untraced, {proven} proven so since "
+                                    f"the test began", by)
+    else:
+        other += untraced
     most = 2 + int(share * requests)
-    assert lost <= most, (f"{lost} reported lost of {requests} requests, more than the {most} "
-                          f"forgiven", report["session"]["lost_by_reason"])
-    return lost
+    assert other <= most, (f"{other} reported lost of {requests} requests, more than the "
+                           f"{most} forgiven", by)
+    return untraced + other
 
 
 def assert_kernel_count(ours: int, kernel: int, report: dict, each: int = 1,

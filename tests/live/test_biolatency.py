@@ -178,8 +178,9 @@ def _held_to_biolatency(dev: str, start_recorder, tmp_path, flags: tuple[str, ..
     untraced = lost_to(report, UNTRACED)
     print(f"kernel {kernel}, ftrace {fired[0]}, biolatency {sum(a.values())} and "
           f"{sum(b.values())}, kvprof {sum(ours.values())} (untraced {untraced})")
-    # A completion the kernel runs no BPF program for (see conftest) is lost to all three
-    # alike: ftrace's event fired, biolatency never sees it end, kvprof reports it untraced.
+    # A completion the kernel runs no BPF program for (helpers.CompletionWitness) is lost to
+    # all three alike: ftrace's event fired, biolatency never sees it end, kvprof reports it
+    # untraced.
     assert fired[0] == kernel
     assert sum(ours.values()) == sum(a.values()) == sum(b.values()) == kernel - untraced
     top = max(max(ours), max(a), max(b)) + 1

@@ -11,6 +11,7 @@ import pytest
 
 from kvprof.markers import Marker
 from tests.helpers import (
+    READ_IOS,
     WRITE_IOS,
     WRITE_SECTORS,
     calls_near_edges,
@@ -92,15 +93,15 @@ def test_a_replay_on_the_same_kind_of_device_reproduces_each_phase(
     # The writes the candidate got, by its own counters, are the ones the recorded device
     # got, by its own: one for one, none merged (its reads also count the safety check's
     # look at its first MiB), but for those the recording holds no row of. Loop devices on
-    # 6.18 complete a few requests in a million without the completion tracepoint; each
-    # session counts those it missed (UNTRACED's reasons): a write missed so is
-    # neither a row nor replayed (seen: 639 of 640, with one counted), and the figures may
-    # differ by no more than those.
+    # 6.18 complete a few requests in ten thousand, in bursts, without running the completion
+    # probe; each session counts those it missed (UNTRACED's reasons; seen: 14 of the 640
+    # writes and 8 001 reads): a write missed so is neither a row nor replayed, and the
+    # figures may differ by no more than those.
     short = recorded[WRITE_IOS] - d[WRITE_IOS]
     losses = {k: n for k, n in before["session"]["lost_by_reason"].items() if n}
     print(f"writes: recorded device {recorded[WRITE_IOS]}, candidate {d[WRITE_IOS]}; "
           f"the recording's losses {losses}")
-    assert 0 <= short <= forgiven(before, recorded[WRITE_IOS])
+    assert 0 <= short <= forgiven(before, recorded[READ_IOS] + recorded[WRITE_IOS])
     assert recorded[WRITE_SECTORS] - d[WRITE_SECTORS] == short * ((256 << 10) // 512)
     missed = before["session"]["lost_events"] + after["session"]["lost_events"]
     assert 0 <= result["requests"] - result["replayed"] <= after["session"]["lost_events"]
