@@ -29,7 +29,7 @@ pytestmark = live
 # Each prompt is new to the engine (vLLM caches prefixes by default: a repeated prompt would
 # skip its prefill, and the test would time nothing).
 SEEDS = itertools.count(int(time.time() * 1000) % 10**9)
-# A prompt whose prefill takes 30-80 ms on the tests' model here.
+# A prompt whose prefill takes 80 ms or less on the tests' model here.
 PREFILL_WORDS = 150
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_hook_and_metrics_windows_follow_the_engines_own_accounting(vllm, loopde
 
 
 def test_a_short_prefills_window_is_the_engines_prefill_time(vllm, loopdev, start_recorder):
-    """Prompts whose prefill takes 30-80 ms (a GPU's prefill of a short prompt): the hook's
+    """Prompts whose prefill takes 80 ms or less (a GPU's prefill of a short prompt): the hook's
     prefill windows, one per request, add up to vLLM's own prefill time (from when its engine
     core scheduled the request to its first token) within 10 %: the window starts when the
     engine core scheduled the batch, not when the request reached the API server."""
@@ -164,7 +164,8 @@ def test_a_short_prefills_window_is_the_engines_prefill_time(vllm, loopdev, star
           f"hook {1e3 * hook_s / max(1, len(hook)):.1f} ms in {len(hook)} windows; the "
           f"client's whole request {1e3 * arrival_s / len(done):.1f} ms")
     assert requests == len(done) == len(hook)
-    assert 0.030 <= engine_s / requests <= 0.080, "not the prefill length this test is about"
+    # (The shorter, the more the hand-off to the engine core would weigh: 18-45 ms here.)
+    assert engine_s / requests <= 0.080, "not the prefill length this test is about"
     assert hook_s == pytest.approx(engine_s, rel=0.10)
 
 
@@ -276,18 +277,30 @@ def test_windows_held_up_by_a_stopped_recorder_all_reach_it(vllm, loopdev, start
                                             for _ in range(8)])
     load.start()
     time.sleep(1.0)
+    stopped = time.monotonic_ns()
     os.kill(rec.proc.pid, signal.SIGSTOP)
     time.sleep(3.0)
     os.kill(rec.proc.pid, signal.SIGCONT)
+    resumed = time.monotonic_ns()
     load.join()
+    done = time.monotonic_ns()
     time.sleep(0.5)
     m1 = vllm.metrics()
     assert rec.stop() == 0
     report = rec.report()
     steps = delta(m0, m1, "vllm:iteration_tokens_total_count")
     lost = report["session"]["lost_by_reason"]
-    got = len(windows(rec.out, "hook"))
-    print(f"stopped recorder: {steps:.0f} steps, {got} windows arrived, lost {lost}")
+    rows = windows(rec.out, "hook")
+    got = len(rows)
+    # Where windows are missing, should any be: the longest pauses between them, and the
+    # last one's end, against when the recorder stopped, resumed and the load ended.
+    pauses = sorted(((b["start_ns"] - a["end_ns"]) / 1e9, (a["end_ns"] - stopped) / 1e9)
+                    for a, b in zip(rows, rows[1:]))[-3:]
+    print(f"stopped recorder: {steps:.0f} steps, {got} windows arrived, lost "
+          f"{ {k: n for k, n in lost.items() if n} }; since the stop: resumed at "
+          f"{(resumed - stopped) / 1e9:.2f} s, load done at {(done - stopped) / 1e9:.2f} s, "
+          f"last window ended at {(rows[-1]['end_ns'] - stopped) / 1e9:.2f} s; longest "
+          f"pauses (s, at) {pauses}")
     assert (got, lost["marks_undelivered"], lost["marks_unsent"]) == (steps, 0, 0)
 
 
