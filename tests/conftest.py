@@ -47,8 +47,8 @@ def calibration_store(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def completion_witness():
-    """The block completions' witness (helpers.CompletionWitness) for the whole run, where
-    tests may trace."""
+    """The block completions' witness (helpers.CompletionWitness) for the rest of the run,
+    from the first test that may trace."""
     if can_trace() is not None:
         yield None
         return
@@ -59,10 +59,13 @@ def completion_witness():
 
 
 @pytest.fixture(autouse=True)
-def untraced_since_test_start(completion_witness):
-    """Where each test began, for what `forgiven` may forgive as untraced."""
-    if completion_witness is not None:
-        helpers.TEST_STARTED = completion_witness.mark()
+def untraced_since_test_start(request):
+    """Where each live or engine test began, for what `forgiven` may forgive as untraced."""
+    if "unit" in request.node.path.parts:
+        return
+    witness = request.getfixturevalue("completion_witness")
+    if witness is not None:
+        helpers.TEST_STARTED = witness.mark()
 
 
 @pytest.fixture
