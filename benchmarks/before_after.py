@@ -58,9 +58,10 @@ def main() -> int:
     old = Path(tempfile.mkdtemp(prefix="kvprof-before-"))
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(old),
                     args.before], check=True, capture_output=True)
-    # The probes are the package's `kvprof.probes` (a link to probes/ in an installed tree);
-    # without it the venv's editable install would hand the old code this tree's probes.
-    if not (old / "kvprof" / "probes").exists():
+    # Trees before kvprof/layers/ kept their probes in probes/, the package `kvprof.probes`
+    # (a link in an installed tree); without it the venv's editable install would hand the
+    # old code this tree's probes.
+    if (old / "probes").is_dir() and not (old / "kvprof" / "probes").exists():
         (old / "kvprof" / "probes").symlink_to(old / "probes")
     got: dict[str, list[float]] = {"bare": [], "before": [], "after": []}
     try:

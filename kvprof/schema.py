@@ -15,7 +15,7 @@ from kvprof.phase_sources import PHASE_SOURCES
 # tracepoints, codes). Index = code.
 LAYER_BLOCK = layers.BLOCK.name
 LAYER_IO_URING = layers.IO_URING.name
-# The file syscalls of the traced processes (probes/syscall.bpf.c): what the application
+# The file syscalls of the traced processes (the syscall layer): what the application
 # asked of its files, page cache hits and buffered writes included.
 LAYER_SYSCALL = layers.SYSCALL.name
 # TCP bytes the traced processes send and receive: network-backed KV stores.
@@ -28,10 +28,10 @@ LAYERS = layers.NAMES
 DEVICE_LAYERS = layers.DEVICE_NAMES
 assert LAYERS[:len(DEVICE_LAYERS)] == DEVICE_LAYERS, "layer codes index both"
 
-# Operation codes shared with probes/kvprof.h (KVPROF_OP_*). Index = code.
+# Operation codes shared with kvprof/layers/kvprof.h (KVPROF_OP_*). Index = code.
 OPS = ("other", "read", "write", "flush", "discard")
 
-# Request flag bits shared with probes/kvprof.h (KVPROF_FL_*), decoded from the kernel's rwbs.
+# Request flag bits shared with the probes (KVPROF_FL_*), decoded from the kernel's rwbs.
 FLAG_SYNC = 1 << 0
 FLAG_FUA = 1 << 1
 FLAG_PREFLUSH = 1 << 2
@@ -40,7 +40,7 @@ FLAG_RAHEAD = 1 << 4
 # syscall layer: the file was opened with O_DIRECT (no page cache).
 FLAG_DIRECT = 1 << 5
 
-# Syscall codes shared with probes/syscall.bpf.c (SYS_*). Index = code.
+# Syscall codes shared with kvprof/layers/syscall/probe.bpf.c (SYS_*). Index = code.
 SYSCALLS = ("read", "pread64", "readv", "preadv", "preadv2", "write", "pwrite64", "writev",
             "pwritev", "pwritev2", "fsync", "fdatasync")
 
@@ -248,7 +248,7 @@ ENGINE_TOKENS = _merged(s.tokens for s in PHASE_SOURCES)
 ENGINE_SERIES = frozenset([n for pairs in ENGINE_MEANS.values() for pair in pairs for n in pair]
                           + [n for names in ENGINE_TOKENS.values() for n in names])
 
-# The aggregate tier (probes/kvprof.h, kvprof/capture/aggregate.py, kvprof/analysis/fold.py): every
+# The aggregate tier (kvprof.h, capture/aggregate.py, kvprof/analysis/fold.py): every
 # block and io_uring request counted in the kernel, per completion second, phase, layer, op
 # and device, whatever the event tier kept. The phase is that of the window holding the
 # request's issue time (fold.flatten, as for events), given per 4 ms issue slot; `boundary`

@@ -2,7 +2,7 @@
 
 The probes count every block and io_uring request into `agg` (per issue slot, completion
 second, device, layer, op) and the time each device had a request in flight into `busy` (per
-slot and the second it was accounted in); see probes/kvprof.h. A key is taken and deleted
+slot and the second it was accounted in); see layers/lib/aggregate.h. A key is taken and deleted
 once its second is SETTLE_S over: no probe writes to it any more, so deleting it cannot drop
 an update. At the end (probes detached) every key is taken. The rows carry no phase: the
 recorder folds them into io_agg and device_busy rows by the phase windows (kvprof/analysis/fold.py,
@@ -39,12 +39,13 @@ BUSY_KEY = np.dtype([("slot", "<u8"), ("sec", "<u4"), ("dev", "<u4"), ("run", "<
                      ("pad", "<u4")])
 BUSY_VAL = np.dtype([("ns", "<u8"), ("first_inv", "<u8"), ("last", "<u8")])
 # Checked field by field against the maps' types at load (kvprof/capture/layout.py).
-LAYOUTS = (Struct("kvprof_agg_key", AGG_KEY, __name__, "agg", "Key"),
-           Struct("kvprof_agg_val", AGG_VAL, __name__, "agg"),
-           Struct("kvprof_busy_key", BUSY_KEY, __name__, "busy", "Key"),
-           Struct("kvprof_busy_val", BUSY_VAL, __name__, "busy"))
-CODES = (Code("KVPROF_SLOT_NS", SLOT_NS, "kvprof.schema"),
-         Code("KVPROF_AGG_SLOTS", HIST_SLOTS, "kvprof.schema"))
+AGGREGATE_C = "kvprof/layers/lib/aggregate.h"
+LAYOUTS = (Struct("kvprof_agg_key", AGG_KEY, __name__, "agg", "Key", c_file=AGGREGATE_C),
+           Struct("kvprof_agg_val", AGG_VAL, __name__, "agg", c_file=AGGREGATE_C),
+           Struct("kvprof_busy_key", BUSY_KEY, __name__, "busy", "Key", c_file=AGGREGATE_C),
+           Struct("kvprof_busy_val", BUSY_VAL, __name__, "busy", c_file=AGGREGATE_C))
+CODES = (Code("KVPROF_SLOT_NS", SLOT_NS, "kvprof.schema", AGGREGATE_C),
+         Code("KVPROF_AGG_SLOTS", HIST_SLOTS, "kvprof.schema", AGGREGATE_C))
 
 
 def _dump(table, key_dtype: np.dtype, val_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:

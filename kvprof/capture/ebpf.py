@@ -4,12 +4,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
 import struct
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +35,7 @@ from kvprof.errors import EX_UNAVAILABLE, KvprofError
 from kvprof.privileges import SYS_BPF
 from kvprof.system import tracefs
 
-# struct kvprof_io in probes/kvprof.h, as numpy reads it (checked at load: LAYOUTS).
+# struct kvprof_io in kvprof/layers/kvprof.h, as numpy reads it (checked at load: LAYOUTS).
 EVENT_DTYPE = np.dtype(
     [
         ("insert_ns", "<u8"),
@@ -64,9 +64,11 @@ BATCH = 32  # KVPROF_BATCH
 BATCH_DTYPE = np.dtype([("n", "<u4"), ("in_use", "<u4"), ("pad", "<u8"),
                         ("rec", EVENT_DTYPE, (BATCH,))])
 
-HEADER = "kvprof.h"
-PROBE_FILES = {layer.name: layer.probe for layer in layer_table.LAYERS}
-# The loss counters: their index macro in probes/kvprof.h, its value, the name reported.
+HEADER = layer_table.HEADER
+# The probes' library (kvprof/layers/lib/), in the order each needs the ones before it.
+LIBRARY = ("task.h", "ring.h", "aggregate.h", "inflight.h", "sampling.h", "fields.h")
+_LOCAL_INCLUDE = re.compile(r'^#include "[^"]+"\n', re.M)
+# The loss counters: their index macro in kvprof/layers/kvprof.h, its value, the name reported.
 COUNTERS = (("KVPROF_LOST_RINGBUF", 0, "ringbuf_reserve_failed"),
             ("KVPROF_LOST_BLOCK_UNMATCHED", 1, "block_unmatched_completion"),
             ("KVPROF_LOST_BLOCK_NOT_SEEN", 2, "block_completion_not_seen"),
@@ -78,7 +80,7 @@ COUNTERS = (("KVPROF_LOST_RINGBUF", 0, "ringbuf_reserve_failed"),
 COUNTER_NAMES = {idx: name for _, idx, name in COUNTERS}
 DEVICE_STARTED = 7  # KVPROF_DEVICE_STARTED: not a loss, the sampling's rate offered
 # KVPROF_URING_ON_BLOCK: not a loss either, io_uring requests to raw block devices (O_DIRECT)
-# left to the block layer (probes/io_uring.bpf.c).
+# left to the block layer (kvprof/layers/io_uring/probe.bpf.c).
 URING_ON_BLOCK = 8
 # Requests still in flight at stop, by the layer that held them: never seen completing. (A
 # block request the kernel completed without tracing it and then started again is counted
@@ -94,7 +96,7 @@ LAYER_GDS = layer_table.GDS.code
 LAYER_WRITEBACK = 7  # KVPROF_LAYER_WRITEBACK: writeback bios, not io rows
 OP_READ = schema.OPS.index("read")
 OP_WRITE = schema.OPS.index("write")
-POS_NONE = np.uint64(0xFFFFFFFFFFFFFFFF)  # KVPROF_POS_NONE in probes/syscall.bpf.c
+POS_NONE = np.uint64(0xFFFFFFFFFFFFFFFF)  # KVPROF_POS_NONE in kvprof/layers/syscall/probe.bpf.c
 # The drain thread's sleep between drains: the shortest while events pour in, growing to the
 # longest while they trickle. Every wake-up preempts the traced workload on a busy host (on
 # 2 vCPUs at 440 k IOPS the recorder's 50 wake-ups a second cost about as much as its work),
@@ -110,7 +112,8 @@ RINGBUF_PAGES = 4096
 
 
 def probe_dir() -> Path:
-    return Path(str(resources.files("kvprof.probes")))
+    """Where the C is: the shared header, and each layer's folder with its probe."""
+    return layer_table.DIR
 
 
 @dataclass(frozen=True)
@@ -158,12 +161,13 @@ def build_program(layers: tuple[str, ...], filters: CaptureFilter,
     O_DIRECT (by default it leaves them to the block layer: raw_to_block)."""
     d = probe_dir()
     # bcc rewrites map calls (events.ringbuf_output, ...) only in the main text, not in
-    # #included files, so the shared header is placed in front of the probes instead.
-    parts = [(d / HEADER).read_text()]
-    for layer in layers:
-        parts.append((d / PROBE_FILES[layer]).read_text().replace(f'#include "{HEADER}"\n', ""))
-    text = "\n".join(parts)
+    # #included files, so the shared header and the library are placed in front of the
+    # probes, in this order, and their own #include "..." lines dropped.
+    files = [d / HEADER, *(d / "lib" / h for h in LIBRARY),
+             *(d / layer / layer_table.PROBE for layer in layers)]
+    text = "\n".join(_LOCAL_INCLUDE.sub("", f.read_text()) for f in files)
     cflags = [f"-DKVPROF_RINGBUF_PAGES={int(ringbuf_pages)}"]
+    cflags += [f"-DKVPROF_LAYER_{x.name.upper()}={x.code}" for x in layer_table.LAYERS]
     cflags += [f"-D{name}={value}" for name, value in layout_defines(layers).items()]
     if not device_events:
         cflags.append("-DKVPROF_NO_DEVICE_EVENTS")
@@ -185,7 +189,11 @@ def build_program(layers: tuple[str, ...], filters: CaptureFilter,
 
 
 class Capture:
-    """Attached probes plus a drain thread. Batches accumulate until `take()`."""
+    """Attached probes plus a drain thread. Batches accumulate until `take()`.
+
+    Built in four steps: the program (the C text and its flags, its codes checked against
+    ours), loaded (bcc compiles it and attaches every probe; its structs checked against our
+    dtypes, the filters filled), the readers of its maps, and, at start(), the drain thread."""
 
     def __init__(self, layers: tuple[str, ...], filters: CaptureFilter,
                  ringbuf_pages: int = RINGBUF_PAGES,
@@ -203,8 +211,20 @@ class Capture:
         check_codes(int_defines(self.program.text, self.program.cflags), _codes(layers),
                     CODE_FAMILIES)
         self._filemap = "-DKVPROF_FILEMAP" in self.program.cflags
+        self.bpf = self._load()
+        self._open_readers(cache_rules)
+        # Decided in the drain thread from the kernel's count: a burst is sampled within a
+        # quarter second, however late the recorder's flush is.
+        self.sampler = Sampler(event_rate if device_events else 0, self.set_sampling)
+        self._sampling: deque[pa.RecordBatch] = deque()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drain_loop, name="kvprof-drain", daemon=True)
+
+    def _load(self):
+        """The program compiled, loaded and attached (bcc does all three), its structs held to
+        our dtypes and its filters filled; nothing attached is left behind on failure."""
         usdt: list = []
-        if "gds" in layers:
+        if "gds" in self.layers:
             lib = find_cufile()
             if lib is None:
                 raise KvprofError("--layer gds: libcufile not found (set KVPROF_CUFILE to "
@@ -214,22 +234,27 @@ class Capture:
                 raise KvprofError(f"--layer gds: {lib} has none of the cufio USDT probes",
                                   EX_UNAVAILABLE)
         try:
-            self.bpf = self.bcc.BPF(text=self.program.text.encode(),
-                                    cflags=list(self.program.cflags), usdt_contexts=usdt)
+            bpf = self.bcc.BPF(text=self.program.text.encode(),
+                               cflags=list(self.program.cflags), usdt_contexts=usdt)
         except Exception as e:  # noqa: BLE001 - bcc raises bare Exception on compile/load
             raise KvprofError(f"loading the BPF probes failed: {e}", EX_UNAVAILABLE) from None
         try:
-            check_structs(self.bpf, _structs(layers))
+            check_structs(bpf, _structs(self.layers))
         except KvprofError:
-            self.bpf.cleanup()  # bcc attaches the probes as it loads them
+            bpf.cleanup()
             raise
+        self.bpf = bpf
+        self._dev_names: dict[int, Device] = {d.kernel_dev: d for d in self.filters.devices}
         self._fill_filters()
         _release_compiler_memory()
+        return bpf
+
+    def _open_readers(self, cache_rules: tuple[caches.Rule, ...]) -> None:
+        """What reads the loaded program's maps: the event ring and its flush, the opens ring
+        and the file table (syscall layer), the aggregate tier (device layers)."""
         # deque: append (drain thread) and popleft (take) are each atomic, so no batch can
         # land in a list that take() has already swapped out.
         self._batches: deque[np.ndarray] = deque()
-        self._stop = threading.Event()
-        self._dev_names: dict[int, Device] = {d.kernel_dev: d for d in filters.devices}
         self.events_total = 0
         events = self.bpf["events"]
         self._ring = RingReader(events.map_fd, int(events.max_entries), BATCH_DTYPE)
@@ -252,20 +277,15 @@ class Capture:
         self._held = np.empty(0, EVENT_DTYPE)  # rows waiting for their file's open record
         self._held_age = np.empty(0, np.int32)
         self._file_pos: dict[int, int] = {}  # open file id -> its position (_file_offsets)
-        if "syscall" in layers:
+        if "syscall" in self.layers:
             opens = self.bpf["opens"]
             self._opens = RingReader(opens.map_fd, int(opens.max_entries), OPEN_DTYPE)
             self.files = FileTable(self._forget, cache_rules)
             self._seed_files(self.files)
         self.aggregate: AggregateReader | None = None
         self._agg_final: dict[str, np.ndarray] | None = None
-        if set(schema.DEVICE_LAYERS) & set(layers):
+        if set(schema.DEVICE_LAYERS) & set(self.layers):
             self.aggregate = AggregateReader(self.bpf)
-        # Decided in the drain thread from the kernel's count: a burst is sampled within a
-        # quarter second, however late the recorder's flush is.
-        self.sampler = Sampler(event_rate if device_events else 0, self.set_sampling)
-        self._sampling: deque[pa.RecordBatch] = deque()
-        self._thread = threading.Thread(target=self._drain_loop, name="kvprof-drain", daemon=True)
 
     def on_block(self) -> int | None:
         """io_uring requests to raw block devices (O_DIRECT) the io_uring layer left to the
@@ -650,7 +670,7 @@ class Capture:
         return pa.RecordBatch.from_arrays([cols[f.name] for f in schema.IO], schema=schema.IO)
 
 
-# struct kvprof_inflight in probes/kvprof.h, as numpy reads it.
+# struct kvprof_inflight in kvprof/layers/lib/inflight.h, as numpy reads it.
 INFLIGHT_DTYPE = np.dtype([("insert_ns", "<u8"), ("issue_ns", "<u8"), ("cgroup_id", "<u8"),
                            ("dev", "<u4"), ("bytes", "<u4"), ("done", "<u4"), ("pid", "<u4"),
                            ("tgid", "<u4"), ("flags", "<u2"), ("op", "u1"), ("pad1", "u1"),
@@ -661,11 +681,14 @@ INFLIGHT_DTYPE = np.dtype([("insert_ns", "<u8"), ("issue_ns", "<u8"), ("cgroup_i
 # maps holding them (kvprof/capture/layout.py): kvprof_io as the element of a batch.
 LAYOUTS = (Struct("kvprof_io", EVENT_DTYPE, __name__, "staging", field="rec"),
            Struct("kvprof_batch", BATCH_DTYPE, __name__, "staging"),
-           Struct("kvprof_inflight", INFLIGHT_DTYPE, __name__, "inflight"))
+           Struct("kvprof_inflight", INFLIGHT_DTYPE, __name__, "inflight",
+                  c_file="kvprof/layers/lib/inflight.h"))
 # Code families of the C whose every member must be among _codes(): one added to the C
 # alone fails the load too.
-CODE_FAMILIES = {"KVPROF_LAYER_": "probes/kvprof.h", "KVPROF_OP_": "probes/kvprof.h",
-                 "KVPROF_LOST_": "probes/kvprof.h", "SYS_": "probes/syscall.bpf.c"}
+HEADER_C = "kvprof/layers/kvprof.h"
+SYSCALL_C = "kvprof/layers/syscall/probe.bpf.c"
+CODE_FAMILIES = {"KVPROF_LAYER_": HEADER_C, "KVPROF_OP_": HEADER_C, "KVPROF_LOST_": HEADER_C,
+                 "SYS_": SYSCALL_C}
 
 
 def _structs(layers: tuple[str, ...]) -> list[Struct]:
@@ -675,7 +698,7 @@ def _structs(layers: tuple[str, ...]) -> list[Struct]:
 def _codes(layers: tuple[str, ...]) -> list[Code]:
     """Every number user space shares with the C of these layers, and who sets it here."""
     sch = schema.__name__
-    # (kvprof/layers.py holds each layer's code = its index in schema.LAYERS)
+    # (each layer's KVPROF_LAYER_ code is its descriptor's, given to the C as a -D)
     out = [Code(f"KVPROF_LAYER_{layer.name.upper()}", layer.code, layer_table.__name__)
            for layer in layer_table.LAYERS]
     out += [Code(f"KVPROF_OP_{name.upper()}", i, sch) for i, name in enumerate(schema.OPS)]
@@ -688,9 +711,9 @@ def _codes(layers: tuple[str, ...]) -> list[Code]:
         ("KVPROF_BATCH", BATCH), ("KVPROF_FL_FILTERED", FLAG_FILTERED))]
     out += AGG_CODES
     if "syscall" in layers:
-        out += [Code(f"SYS_{name.upper()}", i, sch, "probes/syscall.bpf.c")
+        out += [Code(f"SYS_{name.upper()}", i, sch, SYSCALL_C)
                 for i, name in enumerate(schema.SYSCALLS)]
-        out.append(Code("KVPROF_POS_NONE", int(POS_NONE), __name__, "probes/syscall.bpf.c"))
+        out.append(Code("KVPROF_POS_NONE", int(POS_NONE), __name__, SYSCALL_C))
         out += FILE_CODES
     return out
 

@@ -1,6 +1,6 @@
 """The files the syscall layer traces: which (process, fd) the probes follow, and their paths.
 
-The kernel side (probes/syscall.bpf.c) follows a file from the openat that opened it until
+The kernel side (the syscall layer's probe) follows a file from the openat that opened it until
 close, and gives each open a file id; syscall rows carry that id. This side names the ids:
 open records come through their own ring buffer with the path as the process passed it,
 resolved here to an absolute path. A file that turns out not to be a regular one (a
@@ -23,18 +23,18 @@ import numpy as np
 from kvprof import caches
 from kvprof.capture.layout import Code, Struct
 
-SEEDED_IDS = 1 << 40  # KVPROF_SEEDED_IDS in probes/syscall.bpf.c
+SEEDED_IDS = 1 << 40  # KVPROF_SEEDED_IDS in kvprof/layers/syscall/probe.bpf.c
 CLOSED = 0xFFFFFFFF  # KVPROF_CLOSED: the record says the file was closed
 DUP = 0xFFFFFFFE  # KVPROF_DUP: a descriptor duplicated from `from_id`
 PATH_MAX = 240  # KVPROF_PATH_MAX
 O_DIRECT = getattr(os, "O_DIRECT", 0o40000)
 
-# struct kvprof_open in probes/syscall.bpf.c, as numpy reads it.
+# struct kvprof_open in kvprof/layers/syscall/probe.bpf.c, as numpy reads it.
 OPEN_DTYPE = np.dtype([("ts_ns", "<u8"), ("id", "<u8"), ("from_id", "<u8"), ("tgid", "<u4"),
                        ("fd", "<i4"), ("flags", "<u4"), ("pad", "<u4"),
                        ("path", f"S{PATH_MAX}")])
 # Checked against the C at load, with the syscall layer (kvprof/capture/layout.py).
-SYSCALL_C = "probes/syscall.bpf.c"
+SYSCALL_C = "kvprof/layers/syscall/probe.bpf.c"
 LAYOUTS = (Struct("kvprof_open", OPEN_DTYPE, __name__, "open_layout", c_file=SYSCALL_C),)
 CODES = tuple(Code(macro, value, __name__, SYSCALL_C) for macro, value in (
     ("KVPROF_SEEDED_IDS", SEEDED_IDS), ("KVPROF_CLOSED", CLOSED), ("KVPROF_DUP", DUP),

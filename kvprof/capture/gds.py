@@ -8,7 +8,7 @@ import ctypes.util
 import glob
 import os
 
-# (provider, probe) -> (handler in probes/gds.bpf.c, code in kvprof_io.opcode = index)
+# (provider, probe) -> (handler in kvprof/layers/gds/probe.bpf.c, code in kvprof_io.opcode = index)
 PROBES = (
     ("cufio", "cufio_gds_read", "kvprof_gds_read"),
     ("cufio", "cufio_gds_write", "kvprof_gds_write"),

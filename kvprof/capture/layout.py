@@ -46,7 +46,7 @@ class Struct:
     table: str
     part: str = "Leaf"  # or "Key"
     field: str | None = None  # the struct is the element type of this field of the value
-    c_file: str = "probes/kvprof.h"
+    c_file: str = "kvprof/layers/kvprof.h"
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Code:
     macro: str
     value: int
     module: str  # the Python module that sets `value` (its __name__)
-    c_file: str = "probes/kvprof.h"
+    c_file: str = "kvprof/layers/kvprof.h"
 
 
 def _path(module: str) -> str:

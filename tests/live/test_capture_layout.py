@@ -18,9 +18,9 @@ SOURCE_LAYERS = ("block", "io_uring", "syscall", "tcp")  # gds needs libcufile
 
 
 def _probes_with(monkeypatch, tmp_path, old: str, new: str):
-    """Capture from here on builds its C from a copy of probes/ with `old` replaced in
+    """Capture from here on builds its C from a copy of kvprof/layers/ with `old` replaced in
     kvprof.h, through the same seam as the real probes (ebpf.probe_dir)."""
-    copy = tmp_path / "probes"
+    copy = tmp_path / "layers"
     shutil.copytree(ebpf.probe_dir(), copy)
     header = copy / ebpf.HEADER
     text = header.read_text()
@@ -44,7 +44,7 @@ def test_two_same_size_fields_swapped_in_the_c_fail_at_load(monkeypatch, tmp_pat
     with capsys.disabled():
         print(f"\nswapped dev and pid in struct kvprof_io: kvprof: {e.value}")
     assert e.value.exit_code == EX_SOFTWARE
-    assert str(e.value) == ("probes/kvprof.h struct kvprof_io: field 'dev' at offset 56 in "
+    assert str(e.value) == ("kvprof/layers/kvprof.h struct kvprof_io: field 'dev' at offset 56 in "
                             "the C, 52 in kvprof/capture/ebpf.py")
 
 
@@ -52,14 +52,14 @@ def test_two_same_size_fields_swapped_in_the_c_fail_at_load(monkeypatch, tmp_pat
 @pytest.mark.parametrize("old, new, message", [
     ("#define KVPROF_LOST_RINGBUF 0\n#define KVPROF_LOST_BLOCK_UNMATCHED 1\n",
      "#define KVPROF_LOST_RINGBUF 1\n#define KVPROF_LOST_BLOCK_UNMATCHED 0\n",
-     "probes/kvprof.h KVPROF_LOST_RINGBUF is 1 in the C, 0 in kvprof/capture/ebpf.py"),
-    ("#define KVPROF_LAYER_TCP 3\n#define KVPROF_LAYER_GDS 4\n",
-     "#define KVPROF_LAYER_TCP 4\n#define KVPROF_LAYER_GDS 3\n",
-     "probes/kvprof.h KVPROF_LAYER_TCP is 4 in the C, 3 in kvprof/layers.py"),
+     "kvprof/layers/kvprof.h KVPROF_LOST_RINGBUF is 1 in the C, 0 in kvprof/capture/ebpf.py"),
+    ("#define KVPROF_LAYER_WRITEBACK 7\n",
+     "#define KVPROF_LAYER_WRITEBACK 7\n#define KVPROF_LAYER_TOY 5\n",
+     "kvprof/layers/kvprof.h KVPROF_LAYER_TOY = 5 has no counterpart in kvprof"),
     ("#define KVPROF_OP_DISCARD 4\n",
      "#define KVPROF_OP_DISCARD 4\n#define KVPROF_OP_WRITE_ZEROES 5\n",
-     "probes/kvprof.h KVPROF_OP_WRITE_ZEROES = 5 has no counterpart in kvprof"),
-], ids=["counter-renumbered", "layer-renumbered", "op-added-in-c-only"])
+     "kvprof/layers/kvprof.h KVPROF_OP_WRITE_ZEROES = 5 has no counterpart in kvprof"),
+], ids=["counter-renumbered", "layer-added-in-c-only", "op-added-in-c-only"])
 def test_a_code_changed_in_the_c_alone_fails_at_load(monkeypatch, tmp_path, capsys, old, new,
                                                     message):
     _probes_with(monkeypatch, tmp_path, old, new)

@@ -1,14 +1,19 @@
 """Each capture layer and each phase source is described once; a part forgotten fails here.
 
 `layer_problems` and `source_problems` hold a descriptor table against what it must agree
-with (the probe files, probes/kvprof.h, the registry, `kvprof record -h`). They are run on
+with (the layer folders' probes, the registry, `kvprof record -h`). They are run on
 the real tables, and on tables given a descriptor that forgets a part, as someone adding a
 layer or a source might: each such slip must be named, not found by a user.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +24,7 @@ from kvprof.layers import Layer
 from kvprof.phase_sources import PhaseSourceKind
 from kvprof.phases import registry
 
-PROBES = Path(__file__).resolve().parents[2] / "probes"
+PROBES = layers.DIR
 LAYER_HELP_COLUMNS = 68  # beside a 12-column name: 80 in all
 SOURCE_HELP_COLUMNS = 53  # beside a 27-column usage
 
@@ -43,13 +48,14 @@ def layer_problems(table: tuple[Layer, ...] | None = None, probes: Path = PROBES
     """Everything a layer table gets wrong, one line each; empty when it holds."""
     table = layers.LAYERS if table is None else table
     help_text = record_help() if help_text is None else help_text
-    header = (probes / "kvprof.h").read_text()
-    codes = {f"KVPROF_LAYER_{m[0]}": int(m[1]) for m in
-             re.findall(r"^#define KVPROF_LAYER_(\w+)\s+(\d+)", header, re.M)}
     out = []
     names = [x.name for x in table]
     if len(set(names)) != len(names):
         out.append(f"layer names repeat: {names}")
+    for folder in sorted(d.name for d in probes.iterdir() if (d / layers.PROBE).is_file()):
+        if folder not in names:
+            out.append(f"kvprof/layers/{folder}/ holds a probe, and no layer in the registry "
+                       "is named so")
     device = [x.device for x in table]
     if device != sorted(device, reverse=True):
         out.append("device layers must come first (views index them by code)")
@@ -57,28 +63,22 @@ def layer_problems(table: tuple[Layer, ...] | None = None, probes: Path = PROBES
         where = f"layer {x.name!r}"
         if x.code != i:
             out.append(f"{where}: code {x.code} is not its index {i} in the table")
-        c_name = f"KVPROF_LAYER_{x.name.upper()}"
-        if c_name not in codes:
-            out.append(f"{where}: probes/kvprof.h has no #define {c_name}")
-        elif codes[c_name] != x.code:
-            out.append(f"{where}: probes/kvprof.h defines {c_name} {codes[c_name]}, "
-                       f"the descriptor code {x.code}")
-        probe = probes / x.probe
+        probe = probes / x.name / layers.PROBE
+        path = f"kvprof/layers/{x.name}/{layers.PROBE}"
         if not probe.is_file():
-            out.append(f"{where}: probe file probes/{x.probe} does not exist")
+            out.append(f"{where}: {path} does not exist")
         else:
             classic, raw = attached(probe.read_text())
             listed_raw = {t for t in x.tracepoints if t.split("/", 1)[-1] in x.raw_args}
             want_classic = (set(x.tracepoints) - listed_raw) | set(x.optional_tracepoints)
             for tp in sorted(want_classic - classic):
-                out.append(f"{where}: lists tracepoint {tp}, which probes/{x.probe} does not "
-                           "attach")
+                out.append(f"{where}: lists tracepoint {tp}, which {path} does not attach")
             for tp in sorted(classic - want_classic):
-                out.append(f"{where}: probes/{x.probe} attaches tracepoint {tp}, which the "
-                           "descriptor does not list")
+                out.append(f"{where}: {path} attaches tracepoint {tp}, which the descriptor "
+                           "does not list")
             for tp in sorted(set(x.raw_args) ^ raw):
                 out.append(f"{where}: raw tracepoint {tp} is in "
-                           + ("raw_args only" if tp in x.raw_args else f"probes/{x.probe} only"))
+                           + ("raw_args only" if tp in x.raw_args else f"{path} only"))
         for tp in sorted(set(x.raw_args) - {t.split("/", 1)[-1] for t in x.tracepoints}):
             out.append(f"{where}: raw_args names {tp}, which its tracepoints do not")
         for tp in x.tracepoints + x.optional_tracepoints:
@@ -159,7 +159,6 @@ def test_every_phase_source_is_complete():
 def test_the_old_names_follow_the_layer_table():
     assert schema.LAYERS == tuple(x.name for x in layers.LAYERS)
     assert schema.DEVICE_LAYERS == tuple(x.name for x in layers.LAYERS if x.device)
-    assert ebpf.PROBE_FILES == {x.name: x.probe for x in layers.LAYERS}
     assert [ebpf.LAYER_BLOCK, ebpf.LAYER_URING, ebpf.LAYER_SYSCALL, ebpf.LAYER_TCP,
             ebpf.LAYER_GDS] == [schema.LAYERS.index(n) for n in
                                 ("block", "io_uring", "syscall", "tcp", "gds")]
@@ -218,10 +217,8 @@ def fake_layer(**changes) -> Layer:
 
 
 def test_a_layer_without_a_probe_file_fails(monkeypatch):
-    monkeypatch.setattr(layers, "LAYERS", layers.LAYERS + (fake_layer(probe="fake.bpf.c"),))
-    problems = layer_problems()
-    assert "layer 'fake': probe file probes/fake.bpf.c does not exist" in problems
-    assert "layer 'fake': probes/kvprof.h has no #define KVPROF_LAYER_FAKE" in problems
+    monkeypatch.setattr(layers, "LAYERS", layers.LAYERS + (fake_layer(),))
+    assert layer_problems() == ["layer 'fake': kvprof/layers/fake/probe.bpf.c does not exist"]
 
 
 def test_a_layer_listing_tracepoints_its_probe_does_not_attach_fails(monkeypatch):
@@ -229,10 +226,10 @@ def test_a_layer_listing_tracepoints_its_probe_does_not_attach_fails(monkeypatch
                               + ("sock/sock_rcvqueue_full",))
     monkeypatch.setattr(layers, "LAYERS", layers.LAYERS[:3] + (tcp,) + layers.LAYERS[4:])
     assert layer_problems() == [
-        "layer 'tcp': lists tracepoint sock/sock_rcvqueue_full, which probes/tcp.bpf.c does "
-        "not attach",
-        "layer 'tcp': probes/tcp.bpf.c attaches tracepoint sock/inet_sock_set_state, which "
-        "the descriptor does not list"]
+        "layer 'tcp': lists tracepoint sock/sock_rcvqueue_full, which "
+        "kvprof/layers/tcp/probe.bpf.c does not attach",
+        "layer 'tcp': kvprof/layers/tcp/probe.bpf.c attaches tracepoint sock/inet_sock_set_state, "
+        "which the descriptor does not list"]
 
 
 def test_a_layer_whose_raw_tracepoints_differ_from_its_probe_fails(monkeypatch):
@@ -240,17 +237,8 @@ def test_a_layer_whose_raw_tracepoints_differ_from_its_probe_fails(monkeypatch):
     del args["block_rq_requeue"]
     block = dataclasses.replace(layers.BLOCK, raw_args=args)
     monkeypatch.setattr(layers, "LAYERS", (block,) + layers.LAYERS[1:])
-    assert "layer 'block': raw tracepoint block_rq_requeue is in probes/block.bpf.c only" \
-        in layer_problems()
-
-
-def test_a_layer_whose_code_disagrees_with_the_header_fails(monkeypatch, tmp_path):
-    for f in PROBES.iterdir():
-        if f.suffix in (".c", ".h"):
-            (tmp_path / f.name).write_text(f.read_text().replace(
-                "#define KVPROF_LAYER_GDS 4", "#define KVPROF_LAYER_GDS 5"))
-    assert layer_problems(probes=tmp_path) == [
-        "layer 'gds': probes/kvprof.h defines KVPROF_LAYER_GDS 5, the descriptor code 4"]
+    assert "layer 'block': raw tracepoint block_rq_requeue is in " \
+        "kvprof/layers/block/probe.bpf.c only" in layer_problems()
 
 
 def test_a_layer_with_an_unknown_privilege_or_no_help_fails(monkeypatch):
@@ -305,3 +293,73 @@ def test_a_label_given_two_ranks_fails(monkeypatch):
                         + (dataclasses.replace(FAKE, label="metrics"),))
     monkeypatch.setitem(registry.SOURCES, "fake-hook", registry.Source(lambda target: None))
     assert source_problems() == ["windows labelled 'metrics' are given several ranks: [2, 3]"]
+
+
+# -- a layer added as a newcomer would: its folder, and one line in the registry ----------
+
+TOY_PROBE = """/* toy: one row per getppid() call of the traced processes. */
+#include "../kvprof.h"
+
+TRACEPOINT_PROBE(syscalls, sys_enter_getppid)
+{
+    struct kvprof_io e = {};
+    if (!kvprof_task_row(&e))
+        return 0;
+    e.layer = KVPROF_LAYER_TOY;
+    kvprof_emit(&e);
+    return 0;
+}
+"""
+TOY_DESCRIPTOR = """from kvprof.layers.layer import Layer
+
+LAYER = Layer("toy", 5, device=False, help="the traced processes' getppid() calls",
+              tracepoints=("syscalls/sys_enter_getppid",))
+"""
+
+
+def add_toy_layer(root: Path) -> dict:
+    """A copy of the kvprof package under `root`, given a layer more the way the registry
+    says: a folder (probe and descriptor) and one line. Returns an environment whose Python
+    imports that copy (run from `root`: a current directory holding kvprof/ would win)."""
+    shutil.copytree(Path(layers.__file__).parents[1], root / "kvprof",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    toy = root / "kvprof" / "layers" / "toy"
+    toy.mkdir()
+    (toy / layers.PROBE).write_text(TOY_PROBE)
+    (toy / "__init__.py").write_text(TOY_DESCRIPTOR)
+    registry_file = root / "kvprof" / "layers" / "__init__.py"
+    text = registry_file.read_text()
+    assert text.count('    "gds",\n') == 1
+    registry_file.write_text(text.replace('    "gds",\n', '    "gds",\n    "toy",\n'))
+    return {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{Path(__file__).parents[2]}"}
+
+
+TOY_CHECK = """
+import json
+from kvprof import layers, schema
+from kvprof.capture import ebpf
+from tests.unit.test_descriptors import layer_problems
+program = ebpf.build_program(("toy",), ebpf.CaptureFilter())
+print(json.dumps({"from": layers.__file__, "layers": schema.LAYERS, "problems": layer_problems(),
+                  "probe": "sys_enter_getppid" in program.text,
+                  "code": "-DKVPROF_LAYER_TOY=5" in program.cflags}))
+"""
+
+
+def test_a_layer_is_its_folder_and_one_registry_line(tmp_path):
+    env = add_toy_layer(tmp_path)
+    r = subprocess.run([sys.executable, "-c", TOY_CHECK], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got == {"from": str(tmp_path / "kvprof" / "layers" / "__init__.py"),
+                   "layers": ["block", "io_uring", "syscall", "tcp", "gds", "toy"],
+                   "problems": [], "probe": True, "code": True}
+
+
+def test_a_layer_folder_left_out_of_the_registry_fails(tmp_path):
+    shutil.copytree(PROBES, tmp_path / "layers")
+    (tmp_path / "layers" / "toy").mkdir()
+    (tmp_path / "layers" / "toy" / layers.PROBE).write_text(TOY_PROBE)
+    assert layer_problems(probes=tmp_path / "layers") == [
+        "kvprof/layers/toy/ holds a probe, and no layer in the registry is named so"]

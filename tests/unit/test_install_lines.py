@@ -137,7 +137,7 @@ def test_the_distribution_is_not_pypis_kvprof():
     assert normalize(DIST) != FOREIGN
     # The name changed, nothing users type did: the command, the import package, the plugin.
     assert PYPROJECT["project"]["scripts"] == {"kvprof": "kvprof.cli:main"}
-    assert "kvprof" in PYPROJECT["tool"]["setuptools"]["packages"]
+    assert PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"] == ["kvprof*"]
     plugins = PYPROJECT["project"]["entry-points"]["vllm.stat_logger_plugins"]
     assert plugins == {"kvprof": "kvprof.phases.vllm_plugin:KvprofStatLogger"}
 

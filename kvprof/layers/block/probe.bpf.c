@@ -3,7 +3,13 @@
  * Raw tracepoints hand over the request itself instead of a formatted record, which costs a
  * fraction per I/O; its fields are read at offsets from the running kernel's BTF
  * (KVPROF_RQ_* etc., set by kvprof/capture/btf.py). */
-#include "kvprof.h"
+#include "../kvprof.h"
+#include "../lib/task.h"
+#include "../lib/ring.h"
+#include "../lib/aggregate.h"
+#include "../lib/inflight.h"
+#include "../lib/sampling.h"
+#include "../lib/fields.h"
 
 /* rq->cmd_flags: the op in the low KVPROF_REQ_OP_BITS bits, flags above (numbers from the
  * kernel's enum req_op and enum req_flag_bits). */

@@ -2,7 +2,12 @@
  * tracepoints), followed by the io_kiocb pointer in the in-flight table (the kernel reuses a
  * request only after its completion is posted). Field offsets come from the running kernel's
  * BTF (KVPROF_IOK_*, KVPROF_FILE_*, KVPROF_INODE_MODE, KVPROF_CQE_RES). */
-#include "kvprof.h"
+#include "../kvprof.h"
+#include "../lib/task.h"
+#include "../lib/aggregate.h"
+#include "../lib/inflight.h"
+#include "../lib/sampling.h"
+#include "../lib/fields.h"
 #include <linux/fcntl.h> /* O_DIRECT, as this architecture numbers it */
 
 /* IORING_OP_READV 1, WRITEV 2, READ_FIXED 4, WRITE_FIXED 5, READ 22, WRITE 23 (uapi numbers,

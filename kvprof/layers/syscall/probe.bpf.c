@@ -10,7 +10,9 @@
  * entry out. Sockets, pipes and ttys never get an entry, so they cost one lookup per call and
  * produce nothing. Each open gets a file id; rows carry it (kvprof_io.ctx), and the open
  * records in the `opens` ring name its path. */
-#include "kvprof.h"
+#include "../kvprof.h"
+#include "../lib/task.h"
+#include "../lib/ring.h"
 #include <linux/fcntl.h>
 #include <linux/uio.h>
 

@@ -4,7 +4,9 @@
  * layer sees as file I/O too). One row per call; the probes' arguments are not read: their
  * layout is not documented, so bytes stay 0 rather than a guess. x86_64 builds of
  * libcufile carry these probes; some aarch64 builds carry none. */
-#include "kvprof.h"
+#include "../kvprof.h"
+#include "../lib/task.h"
+#include "../lib/ring.h"
 
 /* Which probe, by the code in kvprof_io.opcode (capture.gds.PROBES). */
 static __always_inline int gds_call(u8 op, u8 probe)

@@ -4,7 +4,9 @@
  * when its connection is established (inet_sock_set_state); sockets connected before kvprof
  * attached have no known peer. RDMA (and GPUDirect over RDMA) moves data without the kernel's
  * socket layer: nothing here sees it. */
-#include "kvprof.h"
+#include "../kvprof.h"
+#include "../lib/task.h"
+#include "../lib/ring.h"
 
 #define KVPROF_TCP_ESTABLISHED 1
 #define KVPROF_TCP_CLOSE 7
