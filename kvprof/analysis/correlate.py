@@ -1,18 +1,10 @@
-"""Per-phase storage numbers: every measure a view shows is computed here, once.
+"""Per-phase storage numbers: every measure a view shows is computed here, once. Reads only.
 
-An I/O belongs to the window that contains its issue time; time covered by no window is
-`idle`. Overlapping windows are flattened first (`fold.flatten`, the one rule the aggregate
-tier is folded by too): the more exact source wins, and among equals the later-starting
-window. A phase's idle time is its time with no block request in flight,
-also counting requests issued before the window began; the mean number in flight while busy
-(`inflight_mean`, Little's law) is its requests' summed device time over the rest.
-
-The rows come from a `RowSource` (kvprof/analysis/rowsource.py): SQL over the store (the report,
-exports, any view of a recorded session), or the live dashboard's row cache and its rollup.
-Both answer the same questions; this module turns the answers into the report (`summarize`)
-and the dashboard's frame (`frame`: the report plus rates, timeline, GPU means and recent
-activity). Reads only.
-"""
+An I/O belongs to the window holding its issue time (overlaps flattened by `fold.flatten`, as
+the aggregate tier is folded); time in no window is `idle`. A phase's idle time is its time with
+no block request in flight, counting those issued before it began; `inflight_mean` (Little's
+law) is its requests' summed device time over the rest. A `RowSource`'s answers (SQL over the
+store, or the live row cache) become the report (`summarize`) and the dashboard's `frame`."""
 from __future__ import annotations
 
 import math
@@ -164,16 +156,13 @@ def phase_layer(ph: PhaseStats) -> DeviceLayer:
 def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
               view: ViewFilter = ViewFilter(), info: SessionInfo | None = None,
               windows: pa.Table | None = None, mixed: str = "apart") -> Summary:
-    """The report (kvprof/summary.py's `Summary`); its shape is documented in docs/report.md and
-    kept stable. `info`, `windows`: the session row and phase windows when the caller has
-    just read them. `mixed`: "apart" (mixed windows are their own phase) or "split"
-    (`split_mixed`).
-
-    Each section is built by one function from the row source's answers and the sections
-    it rests on, passed in: layer figures from the events, or from the aggregate tier where
-    the events are missing or sampled; idle from the events' in-flight islands, or the
-    aggregate tier's; capacity from the final layer figures; then caches, writeback and
-    engine figures."""
+    """The report (kvprof/summary.py's `Summary`; its shape, kept stable, in docs/report.md).
+    `info`, `windows`: the session row and phase windows when the caller has just read them.
+    `mixed`: "apart" (mixed windows are their own phase) or "split" (`split_mixed`). Each
+    section is built by one function from the row source's answers and the sections it rests
+    on: layer figures from the events, or the aggregate tier where events are missing or
+    sampled; idle from the events' in-flight islands, or the aggregate tier's; capacity from
+    the final layer figures; then caches, writeback and engine figures."""
     info = info or rows.info()
     t0 = info.start_ns if t0 is None else t0
     t1 = info.end_ns if t1 is None else t1
@@ -373,7 +362,7 @@ def _exact(rows: RowSource, times: dict[str, float], pieces: Pieces, view: ViewF
             sorted(sums.items()):
         t = times[p]
         # The requests with a service time: a block completion the kernel never traced is
-        # counted, as diskstats counts it, without one (forget_unseen, probes/block.bpf.c).
+        # counted, as diskstats counts it, without one (forget_unseen, the block probe).
         timed = int(service.sum())
         out["phases"][p][layer][op] = {
             "ios": ios, "bytes": nbytes,

@@ -1,10 +1,8 @@
 """`kvprof report --parquet DIR`: the per-phase report across the sessions (and hosts) that
-`kvprof export --parquet DIR --hive` wrote into one directory or bucket mount.
-
-Each session is read from its own partition and reported by correlate exactly as `kvprof
-report` reports it alone; the fleet's figures are the sums of those reports (time, requests,
-bytes, busy time), and its rates and idle shares are computed from the sums. So the fleet's
-totals are, by construction, the sum of its sessions' reports.
+`kvprof export --parquet DIR --hive` wrote into one directory or bucket mount. Each session is
+reported by correlate exactly as `kvprof report` reports it alone; the fleet's figures are the
+sums of those reports (time, requests, bytes, busy time), and its rates and idle shares are
+computed from the sums, so its totals are by construction the sum of its sessions' reports.
 """
 from __future__ import annotations
 

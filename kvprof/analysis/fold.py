@@ -1,16 +1,10 @@
 """The one rule for the phase of an I/O, and the aggregate tier's issue slots folded by it.
 
-An I/O belongs to the window, of the most exact source covering it, that holds its issue
-time (`flatten`), whether the window was known before the I/O or arrived later. The event
-tier applies it per request. The aggregate tier's probes count requests per 4 ms issue slot
-(SLOT_NS, probes/kvprof.h) with the earliest and latest issue time each slot saw; `fold`
-gives each slot the phase of the window holding both, once the sources have sent their
-windows. Where a window edge lies between a slot's first and last issue, the slot goes to
-the phase holding most of that span and its row is marked `boundary`: those requests are
-the most that can sit on the wrong side of an edge (DESIGN.md, "Two capture tiers"). Busy
-time is laid over the windows the same way: exactly where one window holds a slot's busy
-pieces (or a run of whole slots), else shared by overlap.
-"""
+An I/O belongs to the most exact window holding its issue time (`flatten`), however late the
+window came. The aggregate tier counts requests per 4 ms issue slot (SLOT_NS, in
+kvprof/layers/kvprof.h) with their earliest and latest issue; `fold` gives a slot the window
+holding both, else the one holding most of that span, marked `boundary`: the most requests that
+can sit on the wrong side of an edge (DESIGN.md, "Two capture tiers"). Busy time likewise."""
 from __future__ import annotations
 
 import heapq
@@ -91,8 +85,8 @@ def _flatten_sweep(windows: pa.Table, t0: int, t1: int
 def _flatten_disjoint(windows: pa.Table, t0: int, t1: int
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """flatten, in numpy, where no two windows overlap (one source, or sources taking turns:
-    the usual session); None where some do, for the general sweep. 100 k windows take
-    ~0.4 s there, a few ms here."""
+    the usual session), far faster than the general sweep on many windows; None where some
+    do, for that sweep."""
     if t1 < t0:
         return None
     s = np.maximum(windows["start_ns"].to_numpy(zero_copy_only=False).astype(np.int64), t0)
@@ -213,6 +207,8 @@ def _fold_agg(agg: np.ndarray, pieces: Pieces, device) -> pa.RecordBatch:
 
 
 def _fold_busy(busy: np.ndarray, pieces: Pieces, device) -> pa.RecordBatch:
+    """Busy time over the windows: exactly where one window holds a slot's busy pieces (or a
+    run of whole slots), else shared by overlap."""
     base = busy["slot"].astype(np.int64) * SLOT_NS
     a = base + busy["first"].astype(np.int64)
     b = base + busy["last"].astype(np.int64)

@@ -1,15 +1,10 @@
 """The session's recent I/O rows as numpy columns sorted by issue time, kept current by
-reading only the rows stored since the last refresh.
-
-The live dashboard rebuilds its numbers twice a second. Re-running the store's SQL
-(`rowsource.SqlRows`) means re-joining and re-sorting every row of the window each time (about
-0.5 s for the million rows of a 10 s window at 100 k events/s). Here the rows arrive once; a
-time span is then a slice found by binary search (rows are in issue order, and an I/O belongs
-to the phase window holding its issue time), busy islands are extended as rows arrive with no
-sort, and running byte sums give any span's bytes by two lookups. `rollup.py` keeps the
-per-second aggregates built from these rows; `rowsource.LiveRows` answers correlate from them
-when the cache holds the window and with SQL otherwise, and the tests hold both equal.
-"""
+reading only the rows stored since the last refresh, for the live dashboard's twice-a-second
+rebuild (re-running the store's SQL would re-join and re-sort the whole window each time). A
+time span is a slice found by binary search (an I/O's phase is the window holding its issue
+time), busy islands grow as rows arrive with no sort, and running byte sums give any span's
+bytes in two lookups. `rollup.py` builds per-second aggregates from these rows; `rowsource.LiveRows`
+answers correlate from them, or with SQL where the cache lacks the span."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -15,13 +15,11 @@ if TYPE_CHECKING:
 @dataclass
 class Recorded:
     """What replaying a session starts from: its block requests and file calls with their
-    phases (SqlRows.block_requests, file_calls, over the whole session), its phase windows
-    (open ones too), the event sampling's shifts and its start. Where the event tier
-    sampled, `requests` are the kept rows scaled up to the aggregate tier's counts, and
-    `scaled` says how. (The syscall layer is never sampled.) `bounds`: where the phase
-    changes, from the pieces that gave the requests and calls their phases (fold.flatten over
-    the session; the first piece reaches back before the session, the last on after it);
-    piece j runs from bounds[j - 1] to bounds[j] and has phase `piece_phase[j]`."""
+    phases (SqlRows.block_requests, file_calls), its phase windows (open ones too), the event
+    sampling's shifts and its start. Where the event tier sampled, `requests` are the kept rows
+    scaled up to the aggregate tier's counts (`scaled` says how; the syscall layer is never
+    sampled). `bounds`: where the phase changes (fold.flatten over the session, reaching before
+    and after it); piece j runs from bounds[j - 1] to bounds[j] with phase `piece_phase[j]`."""
     requests: pa.Table
     windows: pa.Table
     shifts: list[int]

@@ -1,18 +1,10 @@
 """Aggregates of the row cache per unit of time, merged into any window's exact numbers.
 
-A unit is one phase within one second of the session grid: the rows issued in that second
-inside that phase's windows. Its rows never change phase or second, so its aggregates are
-built once and reused by every refresh until a row arrives late into it (its row count
-changes) or the windows move (its key, which names its windows' bounds, changes).
-A refresh then only builds the newest units and the one cut by the window's start: about a
-second or two of rows, whatever the window's length.
-
-Everything merged is exact: counts, bytes and log2 histograms add up; quantiles are picked
-from the rows themselves. Each unit keeps its latencies ordered by (group, fine bucket), the
-fine buckets being monotone in the value. Adding the units' bucket counts says which bucket
-holds a given rank; only that bucket's values, a small slice of each unit, are gathered and
-partitioned. The result is quantile_cont's, as in SQL.
-"""
+A unit is one phase within one grid second: its rows never change phase or second, so its
+aggregates are built once and reused until a row arrives late into it or its windows move (its
+key names their bounds); a refresh builds only the newest units and the one the window's start
+cuts. Counts, bytes, histograms add up; for a quantile (exact, as SQL's quantile_cont) the units'
+counts per fine bucket (monotone in the value) locate it, and only that bucket is partitioned."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,23 +1,10 @@
 """Where correlate's I/O rows come from: the session store (SQL) or the live row cache.
 
-Correlate asks the same few questions of either, over phase pieces (disjoint [start, end)
-spans, each with its phase, from `fold.flatten`), a time range and a view filter:
-
-- `per_phase`: per (phase, layer, op) counts, bytes, exact quantiles of total, queue and
-  device time, log2 histograms of size and latency; the busy islands idle time is read from,
-  and the block requests' summed device time per phase (with the islands, the mean number
-  in flight while busy); the devices the rows went to;
-- `over_time`: bytes per (phase, layer, op) and grid second, bytes per layer and timeline
-  bin, I/O of the last second, the window's devices and busiest processes;
-- `gpu`: means of the GPU samples in a range;
-- and the session row and phase windows.
-
-`SqlRows` answers with DuckDB queries over the store (the report, exports, any recorded
-session). `LiveRows` answers from the dashboard's row cache and its per-second rollup
-(`iocache.py`, `rollup.py`) when they hold the span asked about, and passes the question to
-its `SqlRows` when they do not. Correlate computes each measure once from the
-answers; tests/unit/test_live_cache.py holds both implementations to the same numbers.
-"""
+Correlate asks either the same few questions (`RowSource`) over phase pieces (`fold.flatten`'s
+disjoint spans), a time range and a view filter. `SqlRows` answers with DuckDB queries over the
+store (the report, exports, any recorded session); `LiveRows` from the dashboard's row cache
+and per-second rollup (iocache.py, rollup.py) where they hold the span, else through its
+`SqlRows`. tests/unit/test_live_cache.py holds both to the same numbers."""
 from __future__ import annotations
 
 import functools
@@ -183,7 +170,8 @@ class OverTime:
 
 
 class RowSource:
-    """What correlate reads; see the module docstring."""
+    """What correlate asks of the rows, answered alike by `SqlRows` and `LiveRows`: the session
+    row and phase windows, figures per phase and over time, GPU means, and the rest below."""
 
     def info(self) -> SessionInfo:
         raise NotImplementedError
@@ -192,6 +180,10 @@ class RowSource:
         raise NotImplementedError
 
     def per_phase(self, pieces: Pieces, view: ViewFilter) -> PerPhase:
+        """Per (phase, layer, op): counts, bytes, exact quantiles of total, queue and device
+        time, log2 histograms of size and latency; the busy islands idle time is read from and
+        the block requests' summed device time per phase (with the islands, the mean number in
+        flight while busy); the devices the rows went to."""
         raise NotImplementedError
 
     def weighted_quantiles(self, pieces: Pieces, view: ViewFilter
@@ -231,8 +223,10 @@ class RowSource:
 
     def over_time(self, pieces: Pieces, view: ViewFilter, c0: int, ncells: int,
                   edges: np.ndarray) -> OverTime:
-        """`c0`, `ncells`: the grid seconds from the one holding t0; `edges`: the timeline's
-        bin edges (the first may lie before the session and before the pieces)."""
+        """Bytes per (phase, layer, op) and grid second and per layer and timeline bin, I/O of
+        the last second, the window's devices and busiest processes. `c0`, `ncells`: the grid
+        seconds from the one holding t0; `edges`: the timeline's bin edges (the first may lie
+        before the session and before the pieces)."""
         raise NotImplementedError
 
     def gpu(self, t0: int, t1: int) -> GpuMeans | None:
@@ -510,8 +504,8 @@ class SqlRows(RowSource):
     def per_phase(self, pieces: Pieces, view: ViewFilter) -> PerPhase:
         cond, params = _in_view(pieces, view)
         # The busy islands of all the view's block requests (time idle %, always asked for)
-        # are fetched and sorted on a second cursor while the query below runs, which leaves
-        # part of a CPU idle (0.1 s of a 10 M-row report on two cores).
+        # are fetched and sorted on a second cursor while the query below runs, which would
+        # otherwise leave part of a CPU idle.
         side, pool = self._side()
         every = pool.submit(self._fetch_islands, side, pieces.t0, pieces.t1, view, None)
         try:
@@ -725,13 +719,11 @@ class SqlRows(RowSource):
             self.cur.unregister("_kv_windows")
 
     def file_calls(self, pieces: Pieces) -> pa.Table:
-        """Every syscall-layer read, write, fsync and fdatasync on a file: phase (the
-        report's rule), file (its inode, else its path), path, KV cache, op, syscall,
-        O_DIRECT, offset,
-        bytes done and asked, bytes it put into the page cache (NULL: unknown), issue and
-        completion time, the thread that made it, in issue order: what a replay on a
-        filesystem issues. Empty writes and failed calls are
-        left out; a read at the end of a file (0 bytes) is a call the engine made, kept.
+        """Every syscall-layer read, write, fsync and fdatasync on a file, in issue order: what
+        a replay on a filesystem issues. Phase (the report's rule), file (inode, else path),
+        path, KV cache, op, syscall, O_DIRECT, offset, bytes done and asked, bytes put into the
+        page cache (NULL: unknown), issue and completion time, thread. Empty writes and failed
+        calls are left out; a read at a file's end (0 bytes) is a call the engine made, kept.
         No rows for a session without the layer or recorded before file offsets."""
         if {"file_offset", "inode", "fetched_bytes"} & set(missing_columns(self.cur, "io")):
             return pa.table({})
@@ -794,8 +786,8 @@ class SqlRows(RowSource):
                   if len(sessions) == 1 else [])
         if whole and len(traced) == 1 and view.device in (None, traced[0]):
             # Recorded on one device (-d), a session holds no other's block requests: the
-            # whole view needs no scan for its devices (0.13 s of a 10 M-row report). (Not
-            # a fleet's sessions, each on its own.)
+            # whole view needs no scan for its devices. (Not a fleet's sessions, each on its
+            # own.)
             names = present = traced if any_block else []
         else:
             devices = self.cur.execute(f"""

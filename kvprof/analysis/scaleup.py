@@ -1,16 +1,10 @@
 """A sampled recording's block requests scaled back up to every request the kernel counted.
 
-Past `--event-rate` the event tier keeps 1 in 2^shift requests, each row carrying its
-`sample_weight`, while the aggregate tier counts every one. A replay of the kept rows alone
-would issue a fraction of the load, so per (phase, device, op) the kept rows are copied until
-there are as many as the aggregate tier counted there: each row about its weight's share
-(largest remainders, so the total is the count exactly). A row's copies follow it as the
-requests it stood for did in the common case, a stream: each at the next offset (the row's
-offset + k × its size, wrapped inside the device's range the kept rows stand for), spread
-evenly over the time to the group's next kept row, inside the piece of window the row is in
-(so each copy has the row's phase). Sizes are the kept rows' own, so bytes are the count
-times the sample's sizes, not the kernel's byte count to the byte.
-"""
+Past `--event-rate` the event tier keeps 1 in 2^shift requests (rows carry `sample_weight`) and
+the aggregate tier counts all. Per (phase, device, op) the kept rows are copied, by weight with
+largest remainders, to that count exactly: each copy as a stream's next request (next offset,
+spread to the group's next kept row, in the row's piece and so its phase), of the row's size, so
+bytes are the count times the sample's sizes, not the kernel's byte count."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,22 +1,10 @@
-"""The marker protocol's receiving end: datagrams in, phase windows out.
+"""The marker protocol's receiving end: datagrams in, phase windows out (docs/phases.md).
 
-Transitions of one (source, engine) pair form back-to-back windows: a mark closes the
-engine's open window at its timestamp and opens the next; `idle` only closes. Complete
-windows are taken as they come. Malformed datagrams are counted and dropped; recording goes on.
-
-The socket is the profiler's door: it is created for its owner and one group (mode 0660 by
-default, --socket-group, --socket-mode), each datagram carries its sender's credentials
-(SO_PASSCRED: pid, uid, gid, vouched for by the kernel) which are checked against an allow
-list (--allow-sender) and kept with the window, datagrams are size-limited and parsed
-strictly, and a flood is bounded: at most MAX_ENGINES engines open and MAX_PENDING windows
-waiting between flushes; the rest is counted (`marks_dropped`) and dropped.
-
-Senders number their messages (`kvprof.markers.Marker`); a message a sender could not
-deliver leaves a hole in its numbers, counted as `marks_undelivered` with the session's
-other losses, and what a sender could not mark at all (e.g. an engine step vLLM gave no
-timing for) it counts in every message, kept as `marks_unsent`. A backlogged sender packs
-several messages into one datagram (`batch`).
-"""
+Marks of one (source, engine) form back-to-back windows (`idle` only closes); complete windows
+are taken as they come. The socket is a door into a root process: mode 0660, each sender's
+kernel-vouched credentials (SO_PASSCRED) checked against --allow-sender and kept with its windows,
+a flood bounded (MAX_ENGINES, MAX_PENDING). What is malformed, refused or over a bound is counted
+and dropped; recording goes on. Holes in a sender's numbers count as `marks_undelivered`."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,72 +1,10 @@
 """Phase windows from a serving engine's Prometheus `/metrics`, scraped at 10 Hz.
 
-Each scrape is stamped with CLOCK_MONOTONIC when its body has been read. Between two
-consecutive scrapes, the interval [previous stamp, this stamp) is labelled from how far the
-engine's prefill and decode counters moved in it (`step_phase`: prefill, decode, mixed, or
-quiet). Consecutive intervals with the same label merge into one window (end extended, token
-counts summed); a quiet interval closes the window. So every window edge is within one scrape
-interval (0.1 s) of the moment the counters say the phase began or ended: the counters, not
-the compute. Rows carry source "metrics" and a confidence: the duration-weighted mean of 1.0
-for counted intervals, 0.5 for time inferred from a busy gauge (below) and 0.25 for SGLang's
-request-level fallback. The page is parsed by `exposition`; windows are built by the shared
-`windows.Track`, with the busy-gauge hold (below) layered on it here.
-
-Engine names (the `engine` column): `<kind>:<model>#<rank>`, e.g. `vllm:Qwen/Qwen3-8B#0`
-(vLLM's `engine` label, the DP rank), `sglang:<model_name>#<dp_rank>` (no `#` without DP),
-`tgi:<host:port>` (TGI's metrics name no model). `engine=` replaces the `<kind>:<model>`
-part; the rank suffix stays, so the windows of two DP ranks never merge.
-
-What the engines' counters can and cannot say:
-
-* vLLM (`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, per model_name and engine):
-  the prompt counter moves when a request's prefill *completes* (the step that produces its
-  first token), not per chunk; intermediate chunks of a chunked prefill add nothing. Prefill
-  windows therefore lag the compute, and the running gauge does not help: vLLM sets it when a
-  step's output arrives, so a request that reaches an idle engine shows 0 running for its
-  whole prefill. Three corrections, all from vLLM's own metrics:
-  the first token of each request is counted as a generation token in the step that finishes
-  its prefill, so decode tokens = Δgeneration - Δ`vllm:time_to_first_token_seconds_count`
-  (one observation per first token, recorded in the same step); without this a pure prefill
-  burst would read "mixed". The interval in which prefills completed is carved by time
-  (`WindowTrack._carve`): the prefill lasted Δ`time_to_first_token_seconds_sum` (one
-  request's, or several run one after another, at most the interval plus their mean) and
-  ended the Δ`inter_token_latency_seconds_sum` per running request before the scrape (the
-  decode that followed); it reaches back over quiet intervals but not over the end of the
-  request before (its first token + its `request_decode_time_seconds`, when it finished
-  with nothing else running: its decode window ends there, not at the scrape), and
-  reads mixed where requests were already decoding. Such windows are placed to within one
-  scrape interval and carry confidence 0.5; their length and tokens are the engine's.
-  When `vllm:num_requests_running` > 0 while no counter moves
-  (one step outlasts a scrape interval), the quiet span is held; if the next counted
-  interval is prefill, the prefill window starts where the span started (confidence 0.5 for
-  that part); if it continues the window that was open, the span bridges it; otherwise it
-  is a gap. `vllm:iteration_tokens_total` is not used: it observes only what the token
-  counters already hold, once per output batch. Every `vllm:kv_offload_*` and
-  `vllm:simple_kv_offload_*` sample is also written to the `engine_metric` table whenever
-  its value changed (e.g. `vllm:kv_offload_tiering_read_bytes_total{tier=...}`, the
-  deprecated `vllm:kv_offload_total_bytes_total{transfer_type=...}`).
-* SGLang: `sglang:realtime_tokens_total{mode=prefill_compute|prefill_cache|decode}` moves per
-  batch (prefill after each prefill batch, decode every decode iteration). Series of one
-  dp_rank that differ only in tp_rank/pp_rank/moe_ep_rank/engine_type count the same batch
-  when metrics are on for all schedulers, so they are combined by maximum, not sum. Without
-  realtime counters (older SGLang) `sglang:prompt_tokens_total`/`generation_tokens_total`
-  are used, but SGLang increments both when a request *finishes*: those windows mark request
-  completions, usually read "mixed", and carry confidence 0.25. HiCache byte and token
-  counters (`sglang:hicache_*`, `sglang:load_back_*`, ...) go to `engine_metric`.
-* TGI: the prefill/decode split comes from Δ`tgi_batch_forward_duration_count{method=...}`
-  (else `tgi_batch_inference_count`), i.e. batch calls, so token counts are NULL; both moving
-  in one interval reads "mixed". The counts move when a call returns, so the
-  `tgi_batch_current_size` gauge plays the part vLLM's running gauge plays. The launcher's
-  exporter listens on `--prometheus-port` (default 9000, `/metrics`); the router also serves
-  the same metrics on its API port at `/metrics` (e.g. http://127.0.0.1:3000/metrics).
-
-Failures never stop the recording: an unreachable endpoint, an HTTP error, or a body that
-is not Prometheus text is counted (`unreachable`, `http_error`, `bad_exposition`,
-`too_large`), the open windows end at the last good scrape, the next scrape after it only
-sets a new baseline, and retries back off to `max_retry_s`. Counters that go backwards
-(engine restart) count `counter_reset` and reset the baseline; that interval gets no window.
-An endpoint without the engine's metrics counts `missing_metrics` once per absence.
-"""
+Each scrape is stamped (CLOCK_MONOTONIC) at receipt, and the interval since the previous one is
+labelled from how far the engine's prefill and decode counters moved (`step_phase`); intervals
+of one label merge into windows (`windows.Track`), so an edge is within a scrape interval of
+where the counters, not the compute, moved. Each engine's counters, the corrections made for
+them, engine names, failures: docs/phases.md, "What the metrics sources can tell"."""
 from __future__ import annotations
 
 import http.client
@@ -113,7 +51,7 @@ class WindowTrack(Track):
 
     `step()` and `close()` return finished phase rows. A busy-but-quiet interval (the engine
     says work is in flight, no counter moved) is held until the next counted interval says
-    what it was (see the module docstring)."""
+    what it was: the start of a prefill, the open window going on, or else a gap."""
 
     def __init__(self, engine: str, counts_are_tokens: bool = True) -> None:
         super().__init__("metrics", engine)
@@ -179,19 +117,13 @@ class WindowTrack(Track):
         return out + self.add(phase, t0, t1, confidence, tokens)
 
     def _carve(self, t0: int, t1: int, prefill: int, decode: int, c: Carve) -> list[dict]:
-        """An interval in which prefills completed, split by what the engine measured.
-
-        The prefill ran for `prefill_ns` and its first tokens came at most `after_ns` (the
-        decode time counted after them) before t1; it reaches back over quiet intervals (an
-        engine that was idle shows no running request until its first step's output
-        arrives) but never before the last window's end, nor before the end of a request
-        that finished in the interval (its decode time after its own first token: one
-        stream's steps do not overlap). Where other requests went on decoding meanwhile
-        (`beside`), the engine batched the prefill with their steps: mixed. The rest of the
-        interval after the first tokens is decode, if any was counted; the last window stays
-        open for the next interval to go on with. These windows are placed to within one
-        scrape interval and carry the inferred confidence; their length and tokens are the
-        engine's."""
+        """An interval in which prefills completed, split by what the engine measured: they ran
+        `prefill_ns`, their first tokens at most `after_ns` (the decode counted after them)
+        before t1, reaching back over quiet intervals (an idle engine shows no running request
+        until its first step's output) but never before the last window's end, nor before the
+        end of a request that finished here (one stream's steps do not overlap). Mixed where
+        others went on decoding (`beside`); decode counted after the first tokens follows, open.
+        Placed to within a scrape interval (inferred confidence); length, tokens the engine's."""
         out: list[dict] = []
         w = self.open
         touching = w is not None and w.end_ns == t0

@@ -1,10 +1,7 @@
 """The `nvml` phase source: GPU samples at 10 Hz, stored as `gpu` rows and classified into
-`phase` windows as they come.
-
-Sampling is capture's (kvprof.capture.nvml), labelling the classifier's
-(kvprof.phases.nvml_classifier); this wires the two into a polling source. A GPU that stops
-answering is counted once as `nvml.gpu_lost` and its open window ends at its last row; the
-other GPUs go on.
+`phase` windows as they come, wiring capture's sampler (kvprof.capture.nvml) to the
+classifier (kvprof.phases.nvml_classifier). A GPU that stops answering is counted once as
+`nvml.gpu_lost` and its open window ends at its last row; the other GPUs go on.
 """
 from __future__ import annotations
 

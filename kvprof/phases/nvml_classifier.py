@@ -1,39 +1,10 @@
 """Phase windows guessed from GPU counters: prefill is compute-bound, decode memory-bound.
 
-This is the fallback phase source (rank `nvml`, the lowest): an engine hook or scraped metrics
-win wherever they have a window. Input rows are shaped like `schema.GPU`; output rows like
-`schema.PHASE` with source="nvml" and the GPU index.
-
-Rules, per row, thresholds from `ClassifierConfig` (defaults in brackets):
-
-GPM rows (tensor_active_pct and dram_bw_util_pct present; Hopper and newer):
-  1. idle when sm_active, tensor_active and dram_bw_util are all below idle_activity_pct [10].
-  2. otherwise the compute score is
-         s = (tensor_active - compute_memory_ratio [1.0] * dram_bw_util) / gpm_margin_pct [40]
-     clamped to -1..1: prefill when s > 0 (tensor cores busier than DRAM), else decode.
-  3. confidence = 0.5 + 0.5 * |s'|, at most gpm_max_confidence [0.95], where s' mixes in
-     power (below) with weight gpm_power_weight [0.2].
-
-Fallback rows (GPM NULL: older GPUs, or the first window not complete yet):
-  1. idle when gpu_util_pct is below idle_util_pct [10]; no decision when it is NULL.
-  2. the memory share r = mem_util_pct / gpu_util_pct; s = (mem_ratio_split [0.55] - r) /
-     mem_ratio_margin [0.3]: prefill when s > 0, else decode (decode keeps DRAM busy for
-     more of the time the GPU is busy).
-  3. confidence = fallback_min_confidence [0.3] + (fallback_max_confidence [0.6] - 0.3) * |s'|
-     where s' mixes in power with weight fallback_power_weight [0.3]: a duty cycle is weak
-     evidence, so these windows always rank below GPM ones.
-
-Power is used only as a relative signal, because a row does not carry the board's limit: a
-GPU's position in the range of power it has shown so far this session, once that range spans
-at least power_span_min_w [100]. Above power_split [0.8] of the range counts toward prefill.
-
-Windows: a row's label covers the time since the GPU's previous row (what NVML averaged over);
-a GPU's first row, or one after a gap longer than max_gap_ns [1 s], covers first_span_ns
-[100 ms] back. Consecutive rows with the same label merge; an idle row, a row without
-evidence or a gap ends the window. Idle is never emitted (no window means idle). Window
-confidence is the time-weighted mean of its rows'. A window ends at its last row: time after
-that was not measured. One `windows.Track` per GPU builds the windows.
-"""
+The fallback phase source (rank `nvml`, the lowest: a hook or scraped metrics win wherever they
+have a window). Rows in are shaped like `schema.GPU`, rows out like `schema.PHASE` (source
+"nvml", the GPU index). A row's label covers the time since the GPU's previous row (what NVML
+averaged over); rows of one label merge into a window (`windows.Track`) that ends at its last
+row, as later time was not measured. Idle is never emitted: no window means idle."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,6 +17,8 @@ IDLE = "idle"
 
 @dataclass(frozen=True)
 class ClassifierConfig:
+    """Thresholds of `_label_gpm`, `_label_fallback` and `_PowerRange`. A GPU's first row, or
+    one after a gap over max_gap_ns, covers first_span_ns back."""
     idle_activity_pct: float = 10.0
     compute_memory_ratio: float = 1.0
     gpm_margin_pct: float = 40.0
@@ -68,7 +41,9 @@ def _clamp(x: float) -> float:
 
 
 class _PowerRange:
-    """The power a GPU has shown so far, to say whether a reading is high for this board."""
+    """The power a GPU has shown so far, to say whether a reading is high for this board:
+    relative, because a row does not carry the board's limit. Above power_split of the range
+    counts toward prefill, once the range spans power_span_min_w."""
 
     def __init__(self) -> None:
         self.low: float | None = None
@@ -92,6 +67,9 @@ def _mix(score: float, power: float | None, weight: float) -> float:
 
 
 def _label_gpm(row: dict, power: float | None, c: ClassifierConfig) -> tuple[str, float]:
+    """GPM rows (Hopper and newer): idle when SM, tensor and DRAM activity are all low; else
+    prefill when tensor cores are busier than DRAM (the score, mixed with power, > 0), else
+    decode, with confidence 0.5 + |score| / 2 up to gpm_max_confidence."""
     tensor, dram = row["tensor_active_pct"], row["dram_bw_util_pct"]
     activity = max(v for v in (row.get("sm_active_pct"), tensor, dram) if v is not None)
     if activity < c.idle_activity_pct:
@@ -103,6 +81,9 @@ def _label_gpm(row: dict, power: float | None, c: ClassifierConfig) -> tuple[str
 
 def _label_fallback(row: dict, power: float | None,
                     c: ClassifierConfig) -> tuple[str, float] | None:
+    """Rows without GPM (older GPUs, or before its first window): idle on a low duty cycle,
+    no decision without one; else decode when DRAM is busy for much of the GPU's busy time.
+    A duty cycle is weak evidence, so the confidence stays in the fallback's lower range."""
     util, mem = row.get("gpu_util_pct"), row.get("mem_util_pct")
     if util is None:
         return None

@@ -1,13 +1,10 @@
 """`--phases SOURCE[=TARGET]`: which phase sources a recording uses, and `auto` discovery.
 
-Marks on the marker socket are always received (the vLLM plugin and manual marks use it);
-the other sources run next to them, each in its own thread. When windows of several sources
-cover the same time, correlate keeps the most exact (hook > metrics > nvml).
-
-Each source is described once: its facts (rank, target, engine figures, roles, help) in
+Marks on the marker socket are always received; the other sources run beside them, each in
+its own thread, and where windows overlap correlate keeps the most exact (hook > metrics >
+nvml). A source's facts (rank, target, engine figures, roles, help) are in
 kvprof/phase_sources.py, how it is found and built in SOURCES below, under the same kind;
-tests/unit/test_descriptors.py fails while the two disagree.
-"""
+tests/unit/test_descriptors.py fails while the two disagree."""
 from __future__ import annotations
 
 import re

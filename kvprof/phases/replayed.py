@@ -1,21 +1,10 @@
 """A recording's phase windows sent again while `kvprof replay` issues its requests, on the
-replay's clock, so that every replayed request is issued inside the window of the phase it
-was recorded in, however late the candidate lets it go out.
-
-The recording's time is cut where its phase changes (fold.flatten's pieces: `bounds`); the replay
-decides, as it goes, when each piece starts on its clock (`edges`, kept by the replaying threads:
-kvprof/replay/gate.py's Gate): at the later of when it was due and when every request of the pieces
-before it had completed, so a piece the candidate is slow to serve stretches and the next one starts
-where it ended. A window's edge at recording time t is sent at max(t moved to the replay's clock,
-the start of t's piece): a monotone map of the recording's time, so the windows keep their order,
-their overlaps and what flatten makes of them, and each piece holds the phase it had. A replay that
-keeps its threads' order shifts instead (`schedule(shift=True)`, the replay's Gate.shift): t lies at
-its recorded offset from its piece's start, so a stretched piece moves every later window. A window
-goes to the recorder once its end is decided and its time has come (at the recorder's flushes,
-`take`), and the ones begun and not ended as open rows, so the new session's aggregate tier (folded
-by the windows the recorder knows at each flush) and its events split by the same windows, and a
-live view of it sees the phase in progress. The windows keep their sources (the rule ranks
-overlapping ones by source) and tokens."""
+replay's clock, so each replayed request is issued inside its recorded phase's window however
+late the candidate lets it go out. The replay decides when each piece of the recording (cut
+where the phase changes: fold.flatten's `bounds`) starts on its clock (`edges`, replay/gate.py's
+Gate). A window edge at recording time t is sent at max(t on the replay's clock, its piece's
+start): a monotone map, so windows keep their order and overlaps and each piece its phase; a
+shifting replay (`schedule(shift=True)`) puts t at its offset from its piece's start instead."""
 from __future__ import annotations
 
 import time

@@ -1,40 +1,10 @@
 """A vLLM stat logger that sends one phase window per engine step to a running kvprof.
 
-Register it under vLLM's `vllm.stat_logger_plugins` entry-point group (kvprof's packaging
-does), then start vLLM as usual; vLLM loads every plugin of that group in the API-server
-process (AsyncLLM) unless `VLLM_PLUGINS` lists others. Windows go over the marker protocol
-(`kvprof.markers`) to the socket in `KVPROF_SOCKET` (default /run/kvprof/marks.sock), with
-source "hook" and engine `vllm:<engine index>`. With no kvprof listening they are dropped.
-
-What one step's window is (record() runs once per output batch of an engine step, in the
-API-server process, after the batch crossed from the engine core; vLLM's own
-`vllm:iteration_tokens_total` counts the same batches):
-- tokens: `SchedulerStats.iteration_details` (num_ctx_tokens as prefill, num_generation_tokens
-  as decode) when vLLM fills it (`--enable-logging-iteration-details`, which also logs a line
-  per step), else the batch's `IterationStats`: the prompt tokens of the requests whose
-  prefill completed (vLLM's `vllm:prompt_tokens_total`), and generated tokens minus the first
-  tokens of those requests (they came out of the prefill pass);
-- end: when the batch reached the API server (`IterationStats.iteration_timestamp`, so the
-  front end's own processing is not counted), on CLOCK_MONOTONIC;
-- length, from what vLLM measured for this very step, with its defaults:
-  * a step that advanced a request already decoding: its inter-token latency, i.e. the
-    engine core's time from the previous step's output to this one's (the same step for
-    every such request: the shortest is taken, a resumed request's is longer);
-  * else (a step that only finished prefills): from when the engine core first scheduled
-    the earliest of those requests (vLLM's `RequestStateStats.scheduled_ts`, the start of
-    its own `request_prefill_time_seconds`; see `keep_scheduled_times`), or, where that
-    cannot be read, the longest time to first token, from the request's arrival in the API
-    server (then the window also holds the hand-off to the engine core: 7-21 ms measured
-    here); a request that waited behind other steps is cut at the previous window's end;
-  * else the engine's measured `elapsed_ms`, when iteration details are on.
-  A window never starts before the previous window of its engine ended, so windows do not
-  overlap and idle time before a step never becomes part of it.
-Windows go to a `Marker`, which queues what the socket cannot take at once and numbers every
-message, so a window that still cannot be delivered is counted in the session's losses.
-
-vLLM's stat interfaces are not stable (its own docstring says so); every attribute is read
-defensively and nothing raised here reaches vLLM.
-"""
+vLLM loads it in the API-server process through the `vllm.stat_logger_plugins` entry point
+(kvprof's packaging registers it) unless `VLLM_PLUGINS` lists others, and calls record() once
+per output batch of a step. Windows go over the marker protocol (a `Marker`, which counts what it
+cannot deliver) to `KVPROF_SOCKET` (default /run/kvprof/marks.sock), source "hook". vLLM's stat
+interfaces are not stable: every attribute is read defensively, nothing raised reaches vLLM."""
 from __future__ import annotations
 
 import logging
@@ -76,10 +46,9 @@ except Exception:  # noqa: BLE001 - absent, or present but failing to import: ru
 def clock_pair(tries: int = 4) -> tuple[int, int]:
     """CLOCK_MONOTONIC and the wall clock at one instant, in ns. vLLM stamps a batch's arrival
     with the wall clock; the window needs it on the monotonic one. Read apart, the two can lie
-    milliseconds apart when the process is preempted between them, and a step's own KV store
-    ends only 3-12 ms before its batch reaches the API server (the real vLLM with LMCache
-    here): such an error puts the store after its window. So the wall clock is read between
-    two monotonic reads and the tightest of a few tries is kept."""
+    milliseconds apart when the process is preempted between them, more than a step's own KV
+    store may precede its batch's arrival: such an error puts the store after its window. So
+    the wall clock is read between two monotonic reads and the tightest of a few tries is kept."""
     best = (1 << 62, 0, 0)
     for _ in range(tries):
         m0 = time.monotonic_ns()
@@ -100,12 +69,10 @@ SCHEDULED = "kvprof_scheduled_ts"
 def keep_scheduled_times() -> bool:
     """Have vLLM's IterationStats keep, per output batch, when the engine core scheduled each
     request whose prefill the batch completed. vLLM tracks that per request
-    (`RequestStateStats.scheduled_ts`, set from the engine core's SCHEDULED event) but hands
-    stat loggers only the batch's IterationStats, and the time only once the request
-    finishes (as `prefill_time`). So `IterationStats.update_from_output`, which vLLM calls
-    for each request of a batch with its state before any logger runs, is wrapped to note
-    it. Once per process; False where vLLM's class is missing or differs (then windows fall
-    back to the time to first token)."""
+    (`RequestStateStats.scheduled_ts`) but hands stat loggers only the batch's IterationStats,
+    and the time only once the request finishes, so `IterationStats.update_from_output` (called
+    per request of a batch before any logger runs) is wrapped to note it. Once per process;
+    False where vLLM's class is missing or differs (windows then use the time to first token)."""
     try:
         from vllm.v1.metrics.stats import IterationStats
         original = IterationStats.update_from_output
@@ -209,6 +176,8 @@ class KvprofStatLogger(StatLoggerBase):
         if begun is None:
             self._skip("vLLM measured no time for it")
             return
+        # Never before the engine's previous window ended: windows do not overlap, and a
+        # request that waited behind other steps does not bring that wait into this one.
         start = max(begun, self._last_end.get(engine_idx, 0))
         if start >= end:
             self._skip("it ended before the previous step did")
@@ -220,6 +189,10 @@ class KvprofStatLogger(StatLoggerBase):
 
     @staticmethod
     def _tokens(details: Any, iteration_stats: Any) -> tuple[int, int] | None:
+        """(prefill, decode) tokens of the batch: `SchedulerStats.iteration_details` where vLLM
+        fills it (`--enable-logging-iteration-details`), else the batch's IterationStats: the
+        prompt tokens of the prefills it completed (as `vllm:prompt_tokens_total`) and the
+        generated tokens less those prefills' first tokens."""
         if details is not None:
             prefill = _count(details, "num_ctx_tokens")
             decode = _count(details, "num_generation_tokens")
@@ -238,7 +211,8 @@ class KvprofStatLogger(StatLoggerBase):
         return prefill, max(0, generated - firsts)
 
     def _end(self, iteration_stats: Any, now: int) -> int:
-        """When the batch reached the API server, on the monotonic clock."""
+        """When the batch reached the API server (`IterationStats.iteration_timestamp`, so the
+        front end's own processing is not counted), on the monotonic clock."""
         arrived = getattr(iteration_stats, "iteration_timestamp", None)
         if isinstance(arrived, float):
             mono, wall = clock_pair()
@@ -249,8 +223,12 @@ class KvprofStatLogger(StatLoggerBase):
 
     @staticmethod
     def _start(details: Any, iteration_stats: Any, end: int) -> int | None:
-        """When the step began (ns, CLOCK_MONOTONIC), from what vLLM measured for it (see the
-        module doc); None when it measured nothing."""
+        """When the step began (ns, CLOCK_MONOTONIC), from what vLLM measured for this very
+        step; None when it measured nothing. A step that advanced decoding requests: their
+        inter-token latency (the shortest; a resumed request's is longer). One that only
+        finished prefills: when the engine core scheduled the earliest (keep_scheduled_times),
+        else the longest time to first token (from arrival in the API server, so it holds the
+        hand-off to the engine core). Else `elapsed_ms`, where iteration details are on."""
         itls = _seconds(getattr(iteration_stats, "inter_token_latencies_iter", None))
         if itls:
             return end - int(min(itls) * 1e9)

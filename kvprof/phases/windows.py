@@ -1,12 +1,10 @@
 """The window-building core shared by the sources that label time interval by interval.
 
-A source that learns the phase of [t0, t1) one interval at a time (a scrape interval, the
-span an NVML sample averaged over) keeps one `Track` per engine or GPU. Consecutive intervals
-of the same phase that touch merge into one open window; a change of phase or a gap closes
-it. Confidence is the duration-weighted mean over the window's intervals, and token counts,
-where the caller knows them, are summed. The rules that decide labels, gaps and held spans
-stay with each source (metrics.py, nvml_classifier.py); this module only builds the windows.
-"""
+A source that learns the phase of [t0, t1) one interval at a time (a scrape interval, the span
+an NVML sample averaged over) keeps one `Track` per engine or GPU. Touching intervals of one
+phase merge into an open window (confidence: their duration-weighted mean; token counts, where
+known, summed); a change of phase or a gap closes it. The rules for labels, gaps and held spans
+stay with each source (metrics.py, nvml_classifier.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,20 +1,10 @@
 """Phase sources that subscribe to an engine's ZMQ PUB stream.
 
-`SglangFpm` turns SGLang's Forward Pass Metrics (one message per scheduler iteration; Dynamo
-publishes the same schema for vLLM) into phase windows. `VllmKvEvents` turns vLLM's KV cache
-events (also SGLang's, same format) into `kv_event` rows.
-
-Both wire formats are ZMQ multipart messages of three frames: topic, an 8-byte big-endian
-sequence number, and a msgpack payload written by msgspec. msgspec writes a Struct as a map
-unless the Struct is `array_like`, and the engines changed that setting between versions
-(vLLM's KVEventBatch is an array, its events were arrays and are now maps with a "type" tag),
-so every payload is accepted in both forms.
-
-The subscriber connects; the engine binds. ZMQ reconnects by itself when the engine restarts,
-and a restarted publisher begins its sequence at 0 again, which is taken as a restart rather
-than a loss. A source never stops the recording: malformed messages and sequence gaps are
-counted (see `counts()`), the message is dropped, and the next one is read.
-"""
+`SglangFpm`: SGLang's Forward Pass Metrics (one message per scheduler iteration; Dynamo uses the
+schema for vLLM) into phase windows; `VllmKvEvents`: vLLM's (and SGLang's) KV cache events into
+`kv_event` rows. Messages: topic, 8-byte big-endian sequence number, msgspec msgpack, its Structs
+as arrays or maps (engines changed this between versions: both are read). Malformed messages
+and sequence gaps are counted (`counts()`) and dropped; a sequence back at 0 is a restart."""
 from __future__ import annotations
 
 import time
@@ -96,6 +86,7 @@ class ZmqSubSource(PhaseSource):
             # Engines publish with a high HWM; match it so a slow flush does not drop here.
             sock.setsockopt(zmq.RCVHWM, 100_000)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
+            # The engine binds; ZMQ reconnects by itself when it restarts.
             sock.connect(self.endpoint)
         except zmq.ZMQError:
             # A bad endpoint: the base loop counts it and retries with back-off; leave
@@ -198,20 +189,13 @@ def decode_fpm(payload: Any) -> dict:
 
 
 class SglangFpm(ZmqSubSource):
-    """Phase windows from SGLang's `--enable-forward-pass-metrics` stream (or Dynamo's).
-
-    One window per iteration that scheduled work. The messages carry no timestamp, only the
-    iteration's duration (`wall_time`, seconds), so the window is placed backwards from the
-    moment of receipt: end = receipt (CLOCK_MONOTONIC), start = end - wall_time. The publisher
-    sends from a queue after the iteration finished, so windows sit late by that queueing and
-    transport delay (typically well under a millisecond on loopback or ipc). Windows of
-    back-to-back iterations may then overlap slightly; correlate flattens overlaps.
-
-    Tokens: prefill = sum_prefill_tokens (freshly computed prompt tokens), decode =
-    num_decode_requests (each decode request produces one token per iteration; speculative
-    decoding would produce more, which the stream does not say). Idle heartbeats (nothing
-    scheduled) make no window.
-    """
+    """Phase windows from SGLang's `--enable-forward-pass-metrics` stream (or Dynamo's): one
+    per iteration that scheduled work. A message carries only the iteration's `wall_time`, so
+    the window ends at receipt (CLOCK_MONOTONIC) and starts wall_time before: late by the
+    publisher's queueing and transport, so back-to-back windows may overlap slightly (correlate
+    flattens overlaps). Prefill tokens: sum_prefill_tokens (freshly computed); decode:
+    num_decode_requests (one token each per iteration; speculative decoding's extra tokens are
+    not in the stream)."""
 
     name = "sglang-fpm"
 

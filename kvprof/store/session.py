@@ -55,8 +55,8 @@ class Store:
         self.directory = directory
         self.con = con
         self._depth = 0  # transactions open (transaction())
-        # Open tables known to be empty: replacing nothing with nothing is skipped (a
-        # statement costs DuckDB ~0.2 ms, a flush of an idle phase source three of them).
+        # Open tables known to be empty: replacing nothing with nothing is skipped (each
+        # statement costs DuckDB time, and a flush of an idle phase source would make three).
         self._empty: set[str] = set()
 
     @staticmethod
@@ -84,7 +84,7 @@ class Store:
             # DuckDB's default memory limit is 80 % of RAM, and a writer keeps what it wrote
             # cached up to it: RSS would grow with the recording. A recorder nobody reads live
             # only inserts a few thousand rows a flush: one thread does that in the flushing
-            # thread itself, where DuckDB's pool took ~2 % of a core more at 460 k IOPS.
+            # thread itself, where DuckDB's thread pool would only add CPU time.
             con = duckdb.connect(str(path), config={
                 "memory_limit": LIVE_MEMORY if live else WRITER_MEMORY,
                 **({} if live else {"threads": 1})})

@@ -1,17 +1,10 @@
 """`kvprof compare A B`: two sessions' figures side by side, and gates for test pipelines.
 
-Figures are read from the two reports (`correlate.summarize`), never recomputed here, under
-dotted names a gate can use: `<phase>.<op>.bandwidth`, `.iops`, `.p50`, `.p99` (the phase's
-device layer), `<phase>.time_share`, `.time_idle`, `.capacity_idle`, `.inflight` (requests in
-flight while the device was busy), `.tokens_per_s`, and the engines' `ttft`, `itl`,
-`throughput`, `prefix_hit`. Each session's findings come with the figures, so the comparison
-says what bound A and what bound B; where the requests in flight changed, what the latency
-did says whether the device served the extra ones side by side (it was latency-bound) or
-shared its bandwidth among them (`changes`).
-
-A gate `NAME=+30%` passes when B is at least 30 % above A; `NAME=-25%` when B is at least 25 %
-below A. A gate on a figure one of the sessions lacks fails, saying so.
-"""
+Figures come from the two reports (`correlate.summarize`), never recomputed, under dotted names
+a gate can use (docs/compare.md), with each session's findings: what bound A, what bound B. Where
+the requests in flight changed, the latency says whether the device served the extra ones side
+by side or shared its bandwidth (`changes`). `NAME=+30%` passes when B is at least 30 % above A,
+`NAME=-25%` at least 25 % below; a gate on a figure either session lacks fails, saying so."""
 from __future__ import annotations
 
 import re

@@ -1,29 +1,10 @@
 """Plain-language findings from the summary dict of `correlate.summarize`.
 
-A pure function of that dict, so `kvprof report`, its JSON, the dashboard and tests all say
-the same thing. Each finding names the rule it comes from and the report figures it rests on
-(`figures`: JSON paths into the report and their values), so a reader can check it. The
-rules (docs/report.md, "Findings"):
-
-- per phase: a device busy most of the time with about one request in flight while busy
-  (`block.inflight_mean` below 1.5) is kept busy by one request at a time, each waiting out
-  the device's latency: **latency-bound** whatever the request size (more requests in
-  flight, from parallel readers or writers or a deeper queue, would raise the bandwidth);
-  large requests with the device busy most of the time and more in flight are
-  **bandwidth-bound**; large requests with the device mostly idle are **not storage-bound**
-  (something above the device paces them); small requests with the device mostly idle are
-  **latency-bound** (more bandwidth would not help, lower latency would); anything else is
-  described by its figures;
-- **sized for one phase**: one phase keeps the device busy (or uses most of its calibrated
-  capacity) while another phase, taking a real share of the time, leaves it mostly idle;
-- **time split**: which phase the time goes to, and what that says about the workload
-  (prompt-heavy long contexts, or output-heavy decoding);
-- **small writes**: block writes below the physical block of a drive whose logical block is
-  smaller, which the drive must read and rewrite whole;
-- **prefix cache**: with the engine's prefix-cache hit share, the storage reads a higher hit
-  share would remove, if reads scale with misses;
-- **writeback elsewhere**: a phase's buffered writes reaching the device in another phase.
-"""
+A pure function of that dict, so `kvprof report`, its JSON, the dashboard and tests all say the
+same thing. Each finding names its rule and the report figures it rests on (`figures`: JSON
+paths into the report and their values), so a reader can check it. The rules: docs/report.md,
+"Findings"; the thresholds: the constants below. A device kept busy by about one request in
+flight at a time is latency-bound whatever the size: more in flight would raise the bandwidth."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

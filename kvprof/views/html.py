@@ -1,11 +1,9 @@
 """`kvprof report --html` and `kvprof compare --html`: one self-contained HTML file.
 
-Plots are drawn by plotly.js, embedded whole in the file, so the report opens with no network
-(on an air-gapped host, from a ticket attachment). Every figure's data sits in the page as a
-JSON block (`<script type="application/json" class="kvprof-figure">`) that the page draws
-from, so what is plotted can be read back and checked against `kvprof report --json`.
-Numbers come from correlate (the summary and its timeline); nothing is computed here.
-"""
+plotly.js is embedded whole, so the report opens with no network (on an air-gapped host, from a
+ticket attachment). Every figure's data sits in the page as a JSON block (`<script
+type="application/json" class="kvprof-figure">`) the page draws from, so what is plotted can be
+read back and checked against `kvprof report --json`. Numbers come from correlate only."""
 from __future__ import annotations
 
 import html

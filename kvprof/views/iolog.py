@@ -1,14 +1,10 @@
-"""A recorded session's block requests as fio iologs (version 3): one file per phase and
-device, for replaying a phase's own I/O on other storage with fio (`kvprof export SESSION
---fio-iolog DIR`; `fio --read_iolog=FILE --replay_redirect=/dev/CANDIDATE`).
-
-Each request is a line at its issue time, in microseconds from the first request of its file (fio
-3.33 reads version-3 times as microseconds, as its own iolog writer writes them, and waits between
-lines for their difference; it waits for none after a line at time 0, so times start at 1); the
-offset is the request's first byte on the recorded device. A phase's file holds the requests issued
-in its windows (the report's rule), so the gaps between its windows are waits too. Reads, writes and
-discards are replayed as such; an empty write (what an fsync sends) as a `sync`; the device flushes
-that follow an fsync are its own doing, not a request to replay, and are counted as left out."""
+"""A recorded session's block requests as fio iologs (version 3), one file per phase and device,
+to replay a phase's own I/O on other storage (`kvprof export SESSION --fio-iolog DIR`). Each
+request is a line at its issue time, in µs from its file's first request (as fio reads version 3;
+it waits for none after a line at time 0, so times start at 1), at its offset on the recorded
+device. A phase's file holds the requests issued in its windows, so the gaps between them are
+waits too. An empty write (an fsync's) is a `sync`; the device flushes after an fsync are its
+own doing, not replayed, and are counted as left out."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

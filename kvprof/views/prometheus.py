@@ -1,30 +1,10 @@
 """`record --prometheus [ADDR:]PORT`: the recording's exact totals as Prometheus metrics.
 
-A consumer of the rows the recorder stores, like the store itself: each drain hands it the
-aggregate tier's seconds (io_agg, device_busy), the closed and open phase windows and the
-loss counts; it keeps running totals in memory and renders them when scraped. Totals never
-go down while the recorder runs (old segments pruned by --max-size take nothing away), and
-they equal the report's `exact` section of the same session.
-
-Labels are bounded: phase (4), op, layer (block, io_uring), device, phase source and loss
-reason; never a pid, a file or a path.
-
-    kvprof_io_bytes_total{phase,op,layer,device}        counter
-    kvprof_io_ops_total{phase,op,layer,device}          counter
-    kvprof_io_latency_seconds{phase,op,layer,device}    histogram (device service time;
-                                                        log2 buckets, exact from the kernel)
-    kvprof_device_busy_seconds_total{phase,device}      counter
-    kvprof_phase_seconds_total{phase,source}            counter (windows of each source)
-    kvprof_storage_idle_ratio{phase,device}             gauge (1 - busy / phase time)
-    kvprof_events_lost_total{reason}                    counter
-    kvprof_build_info{version,kernel,host,session}      gauge, 1
-
-The phase of the io and busy series is that of the window holding the request's issue time,
-folded per issue slot as for the report's `exact` section (kvprof/analysis/fold.py). A second is
-published once the recorder has folded it for good, `record --settle` seconds (default 5)
-after it, when the phase sources have sent their windows for it; the idle ratio divides the
-busy time by the phase's time over that same settled span (correlate.idle_pct).
-"""
+Fed like the store at each drain (the aggregate tier's seconds, phase windows, loss counts), it
+keeps running totals, rendered when scraped; they never go down (segments pruned by --max-size
+take nothing away) and equal the report's `exact` section, phases folded per issue slot alike.
+A second is published once folded for good, `record --settle` seconds after it. Labels are
+bounded: never a pid, a file or a path. The metrics and their labels: docs/fleet.md."""
 from __future__ import annotations
 
 import socket

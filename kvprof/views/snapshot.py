@@ -1,12 +1,10 @@
 """What the dashboard shows at one moment, as frozen data built off the UI thread.
 
-`build_snapshot` asks correlate for the frame of the chosen window (kvprof/analysis/correlate.py
-computes every number: the report of the window, rates, timeline, GPU means, recent
-activity) and assembles it into a `Snapshot`. Widgets only render the newest snapshot, so
-they never see a half-built state. `SnapshotFeed` is the one background thread that rebuilds
-it on an interval, from its own row source (the row cache in front of SQL: see
-kvprof/analysis/rowsource.py). Nothing here imports textual or duckdb.
-"""
+`build_snapshot` asks correlate for the frame of the chosen window (every number: the window's
+report, rates, timeline, GPU means, recent activity) and assembles a `Snapshot`; widgets only
+render the newest one, so they never see a half-built state. `SnapshotFeed` is the one
+background thread that rebuilds it on an interval from its own row source (the row cache in
+front of SQL). Nothing here imports textual or duckdb."""
 from __future__ import annotations
 
 import dataclasses
