@@ -71,6 +71,8 @@ def _load(data: bytes) -> dict:
         msg = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"not JSON: {e}") from None
+    except RecursionError:
+        raise ValueError("not JSON: nested too deep") from None
     if not isinstance(msg, dict):
         raise ValueError("not a JSON object")
     return msg
@@ -82,13 +84,13 @@ def _parse(msg: object) -> Mark:
     if msg.get("v") != WIRE_VERSION:
         raise ValueError(f"unsupported version {msg.get('v')!r}")
     phase = msg.get("phase")
-    if phase not in schema.PHASES:
+    if not isinstance(phase, str) or phase not in schema.PHASES:
         raise ValueError(f"unknown phase {phase!r}")
     engine = msg.get("engine", "")
     source = msg.get("source", "manual")
     if not isinstance(engine, str) or len(engine) > MAX_ENGINE_LEN:
         raise ValueError("bad engine")
-    if source not in schema.SOURCE_RANK:
+    if not isinstance(source, str) or source not in schema.SOURCE_RANK:
         raise ValueError(f"unknown source {source!r}")
     sid = msg.get("sid")
     if sid is not None and (not isinstance(sid, str) or len(sid) > MAX_SID_LEN):
@@ -339,7 +341,7 @@ class MarkServer:
                 return
             try:
                 marks = decode_all(data)
-            except ValueError:
+            except Exception:  # noqa: BLE001 - any input: this thread must outlive it
                 self.malformed += 1
                 return
             for m in marks:
