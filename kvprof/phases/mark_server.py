@@ -20,6 +20,7 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 
@@ -95,10 +96,11 @@ def _parse(msg: object) -> Mark:
     sid = msg.get("sid")
     if sid is not None and (not isinstance(sid, str) or len(sid) > MAX_SID_LEN):
         raise ValueError("bad sid")
-    common = dict(phase=phase, engine=engine, source=source,
-                  prefill_tokens=_int(msg, "prefill_tokens", False),
-                  decode_tokens=_int(msg, "decode_tokens", False),
-                  sid=sid, seq=_int(msg, "seq", False), unsent=_int(msg, "unsent", False) or 0)
+    common: dict[str, Any] = dict(
+        phase=phase, engine=engine, source=source,
+        prefill_tokens=_int(msg, "prefill_tokens", False),
+        decode_tokens=_int(msg, "decode_tokens", False),
+        sid=sid, seq=_int(msg, "seq", False), unsent=_int(msg, "unsent", False) or 0)
     if "ts_ns" in msg:
         return Mark(ts_ns=_int(msg, "ts_ns", True), **common)
     start, end = _int(msg, "start_ns", True), _int(msg, "end_ns", True)
