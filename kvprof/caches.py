@@ -1,18 +1,8 @@
-"""Which KV cache a file belongs to, from its path: the one place these rules live.
+"""Which KV cache a file belongs to, from its path: the one place these rules live
+(docs/report.md).
 
-Each rule is a name and a glob matched against the file's whole absolute path (`*` also
-crosses `/`), first match wins; users put their own in front (`--cache NAME=GLOB`). The
-built-in ones follow the offload backends' file layouts (../shared/reference/engines.md):
-
-- lmcache-disk: LMCache's local disk backend, one `model@world_size@worker_id@hash@dtype.pt`
-  per chunk (layer-wise and tagged keys add `@...` parts);
-- vllm-fs-tier: vLLM's fs tier, `<root>/<model>_<digest>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin`
-  (and the temp files it renames into place there);
-- vllm-disk-offload: vLLM's simple CPU offload disk backend, one `<disk_path>.rank_<n>` file;
-- sglang-hicache: SGLang HiCache's file backend, `<key>_<model>_<tp_rank>_<tp_size>....bin`
-  per page, and its `.<uuid>.tmp` files under the default /tmp/hicache;
-- other: any other regular file.
-"""
+A rule is a name and a glob matched against the file's whole absolute path (`*` also crosses
+`/`); first match wins, users' own (`--cache NAME=GLOB`) in front, `other` when none does."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,10 +19,18 @@ class Rule:
     glob: str
 
 
+# The offload backends' file layouts (../shared/reference/engines.md).
 BUILTIN = (
+    # LMCache's local disk backend: one `model@world_size@worker_id@hash@dtype.pt` per chunk
+    # (layer-wise and tagged keys add `@...` parts).
     Rule("lmcache-disk", "*/*@*@*@*@*.pt"),
+    # vLLM's fs tier: `<root>/<model>_<digest>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin`, and the
+    # temp files it renames into place there.
     Rule("vllm-fs-tier", "*/*_r[0-9]*/[0-9a-f][0-9a-f][0-9a-f]/[0-9a-f][0-9a-f]_g*/*"),
+    # vLLM's simple CPU offload disk backend: one `<disk_path>.rank_<n>` file.
     Rule("vllm-disk-offload", "*.rank_[0-9]*"),
+    # SGLang HiCache's file backend: `<key>_<model>_<tp_rank>_<tp_size>....bin` per page, and
+    # its `.<uuid>.tmp` files under the default /tmp/hicache.
     Rule("sglang-hicache", "*/*_*_[0-9]*_[0-9]*.bin"),
     Rule("sglang-hicache", "*/hicache/*"),
 )

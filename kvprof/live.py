@@ -86,7 +86,7 @@ def run_live(opts: RecordOptions, interval_s: float = 0.5, window_s: float | Non
         app = KvprofTop(Reader(store.con), clock, name=name, interval_s=interval_s,
                         window_s=window_s, export_dir=Path(store.directory) / "parquet")
         # A frame as each flush lands (every 0.25 s): on a loaded machine a frame on the
-        # feed's own tick came up to a tick late, past a second after the I/O.
+        # feed's own tick can come a tick late, over a second after the I/O.
         rec.on_flush = app.feed.wake
         if worker is not None:
             worker.start()

@@ -1,17 +1,10 @@
-"""Tell a running kvprof which inference phase this process is in.
-
-    from kvprof.markers import mark, phase
-    mark("prefill")                 # from now on: prefill
-    with phase("decode"):           # one complete window, sent when the block ends
-        ...
+"""Tell a running kvprof which inference phase this process is in (docs/phases.md):
+`mark("prefill")` from now on, `with phase("decode"): ...` one window sent as the block ends.
 
 Each mark is one datagram on a Unix socket (KVPROF_SOCKET, default /run/kvprof/marks.sock)
-carrying this process's CLOCK_MONOTONIC time, so the window is placed where it happened,
-not where it was received. Sending never blocks and never raises: with no profiler
-listening the mark is simply dropped; with one too busy to keep up, it waits in a backlog
-that a thread sends, and what still cannot be delivered is counted (see `Marker`). Imports
-only the standard library, so an engine can import it on its hot path.
-"""
+carrying this process's CLOCK_MONOTONIC time, so the window is placed where it happened, not
+where it was received. Sending never blocks and never raises (`Marker`). Imports only the
+standard library, so an engine can import it on its hot path."""
 from __future__ import annotations
 
 import errno
@@ -51,16 +44,11 @@ def socket_path(path: str | None = None) -> str:
 class Marker:
     """One sender: a socket reused for every mark from this process, and a backlog.
 
-    The common case is one non-blocking `sendto` on the caller's thread. When the receiver's
-    queue is full (Linux queues only `net.unix.max_dgram_qlen` datagrams per socket: 10 by
-    default, easily reached on a busy box), the message is not dropped: it waits in a bounded
-    backlog that a daemon thread sends, many messages to a datagram, blocking up to
-    `send_timeout_s` for room. Whatever still cannot be delivered while a receiver exists
-    (backlog full, timeout) is counted in `lost`. Every message carries this sender's id and
-    a sequence number, so the receiver counts the holes too: a lost window reaches the
-    session's loss counters, not only this process. With nobody listening (no socket, or
-    refused) messages are dropped and not counted: there is no session to lose them from.
-    """
+    A mark is one non-blocking `sendto` on the caller's thread. When the receiver's queue is
+    full (`net.unix.max_dgram_qlen` datagrams, 10 by default), it waits in a bounded backlog
+    that a daemon thread sends, many to a datagram. What a listening receiver still misses is
+    counted in `lost`, and each message's sender id and sequence put the holes in the session's
+    loss counts too. With nobody listening messages are dropped uncounted: no session lost them."""
 
     backlog_max = 10_000
 

@@ -1,12 +1,10 @@
 """The phase sources' facts, one descriptor each: rank, target, engine figures, roles, help.
 
-`--phases` offers these kinds. schema derives SOURCE_RANK, ENGINE_MEANS and ENGINE_TOKENS from
-them, roles.py the engines' process roles, the CLI its help; kvprof/phases/registry.py adds,
-under the same kind, how each is found by `auto` and built. The facts live apart from the
-registry because schema and roles sit below the phase sources (they cannot import them), and
-only the standard library is imported so that the CLI can read them without pyarrow.
-tests/unit/test_descriptors.py fails while a kind misses a part.
-"""
+`--phases` offers these kinds; schema derives SOURCE_RANK, ENGINE_MEANS and ENGINE_TOKENS from
+them, roles.py the engines' process roles, the CLI its help, and kvprof/phases/registry.py adds
+how each is found and built. Apart from the registry because schema and roles sit below the
+phase sources; standard library only, so that the CLI reads them without pyarrow.
+tests/unit/test_descriptors.py fails while a kind misses a part."""
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -1,18 +1,10 @@
 """Giving up, once the probes are attached, the privileges a recording no longer needs.
 
-Attaching takes CAP_BPF, CAP_PERFMON and CAP_SYS_ADMIN (or root). Afterwards the recorder
-only uses file descriptors it already holds: the kernel checks BPF maps, programs and perf
-rings when they are created, not when they are used. (Since Linux 6.5; older kernels check
-`kernel.unprivileged_bpf_disabled` on every call, so `drop()` tries first and keeps CAP_BPF
-where it must.) What else stays is what the syscall layer's file names need: reading other
-users' /proc/PID/fd (CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH).
-
-Capabilities belong to each thread, and a new thread copies its creator's. So the drop is
-done while the recorder's thread is the only one that holds any (the marker socket's thread
-drops its own as it starts; `kvprof top`'s main thread, waiting meanwhile, right after):
-every thread started later (the drain, DuckDB's workers, the sources, the HTTP server)
-starts without them. `holders()` finds any left behind.
-"""
+Attaching takes CAP_BPF, CAP_PERFMON and CAP_SYS_ADMIN (or root); afterwards the recorder only
+uses descriptors it holds, which the kernel checked when they were created (see `drop()`). The
+syscall layer's file names keep reading other users' /proc/PID/fd (CAP_SYS_PTRACE,
+CAP_DAC_READ_SEARCH). Capabilities are per thread and copied into each new one, so the drop is
+done while the recorder's thread is the only one holding any; `holders()` finds any left."""
 from __future__ import annotations
 
 import ctypes
@@ -87,9 +79,9 @@ def needed(layers: tuple[str, ...]) -> frozenset[int]:
 def drop(keep: frozenset[int], works: Callable[[], bool]) -> str:
     """Keep only `keep` (of what this thread holds) in the effective, permitted and
     bounding sets, clear the ambient set and set no_new_privs, so that no program run later
-    gains any back. `works()` is tried first with only `keep` in effect: where it fails
-    (the kernel checks BPF privilege on every use of a map), the BPF capability is kept too.
-    Returns what is kept, in words."""
+    gains any back. `works()` is tried first with only `keep` in effect: where it fails (before
+    Linux 6.5 the kernel checks `kernel.unprivileged_bpf_disabled` on every use of a map, not
+    only at its creation), the BPF capability is kept too. Returns what is kept, in words."""
     libc = _libc()
     effective, permitted = _get()
     _set(effective & _mask(keep), permitted)  # effective only: can be raised again

@@ -1,16 +1,10 @@
 """The report's shape, as types: what `correlate.summarize` returns and every view reads.
 
-The report is a public contract (`kvprof report --json`, the fleet Parquet, the HTML report,
-compare): its JSON is these dicts as they are, so they stay dicts, typed as TypedDicts
-rather than turned into classes. A type checker then follows every key a view reads
-(mypy runs over kvprof/ in the tests: a renamed key fails there, not in one view at run
-time), and tests/unit/test_report_schema.py checks real reports against these very types, key
-for key, so the types cannot drift from what is produced.
-
-Maps keyed by data (phases, devices, caches, histogram buckets) are plain `dict[str, ...]`;
-a phase's layer holds its operations (read and write always, the others when seen) beside
-the layer's own figures.
-"""
+The report is a public contract (`kvprof report --json`, docs/report.md): its JSON is these
+dicts as they are, so they stay dicts, typed as TypedDicts: a type checker follows every key a
+view reads, and tests/unit/test_report_schema.py checks real reports against these types key
+for key, so they cannot drift from what is produced. Maps keyed by data (phases, devices,
+caches, buckets) are plain `dict[str, ...]`; a phase's layer holds its operations (LayerOps)."""
 # No `from __future__ import annotations`: TypedDict must see NotRequired itself to know
 # which keys are optional (3.11 cannot look inside a postponed annotation).
 import sys

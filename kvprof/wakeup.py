@@ -1,11 +1,9 @@
 """A stop flag that a signal handler may set and a select() may wait on.
 
-Waited on like a threading.Event (`set`, `is_set`, `wait`), but set without taking a lock: a
-Python signal handler runs in the main thread between two of its bytecodes, which may be
-inside Event.wait holding the event's own lock, and Event.set takes that lock again (a
-recorder hung so on Ctrl-C for good, SIGTERM included). Setting it writes a byte to a pipe;
-`fileno()` is the pipe's read end, for a thread that waits on a socket and the flag at once.
-"""
+Waited on like a threading.Event (`set`, `is_set`, `wait`), but set without a lock: a Python
+signal handler runs in the main thread between two bytecodes, maybe inside Event.wait holding
+the event's lock, which Event.set would take again and hang for good. Setting writes a byte to
+a pipe; `fileno()` is its read end, for a thread that waits on a socket and the flag at once."""
 from __future__ import annotations
 
 import os

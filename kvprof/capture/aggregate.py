@@ -1,13 +1,9 @@
-"""The aggregate tier's user side: drains the probes' maps as issue-slot rows.
-
-The probes count every block and io_uring request into `agg` (per issue slot, completion
-second, device, layer, op) and the time each device had a request in flight into `busy` (per
-slot and the second it was accounted in); see layers/lib/aggregate.h. A key is taken and deleted
-once its second is SETTLE_S over: no probe writes to it any more, so deleting it cannot drop
-an update. At the end (probes detached) every key is taken. The rows carry no phase: the
-recorder folds them into io_agg and device_busy rows by the phase windows (kvprof/analysis/fold.py,
-which keeps them until the sources' windows have come), and capture knows nothing of phases.
-"""
+"""The aggregate tier's user side: drains the probes' maps (layers/lib/aggregate.h) as
+issue-slot rows. `agg` counts every block and io_uring request per issue slot, completion
+second, device, layer and op; `busy` each device's time with a request in flight, per slot and
+the second it was accounted in. A key is taken and deleted once its second is SETTLE_S over (no
+probe writes to it any more, so no update is lost), every key at the end. The rows carry no
+phase: the recorder folds them by the windows (kvprof/analysis/fold.py)."""
 from __future__ import annotations
 
 import ctypes

@@ -1,16 +1,10 @@
 """The running kernel's own type layout, read from its BTF (/sys/kernel/btf/vmlinux).
 
-The device probes run on raw tracepoints, which hand over the kernel's pointers (a struct
-request, an io_kiocb) rather than a formatted record: far cheaper per I/O, but the probes must
-know where each field sits in this kernel's structs. Installed headers often do not match the
-running kernel (here: 6.1 headers on a 6.18 kernel), so the offsets come from the kernel's BTF
-and reach the probes as -D numbers; no struct layout is compiled in. The tracepoints' argument
-lists are checked the same way (the kernel describes each as a `btf_trace_<name>` typedef).
-
-Format: include/uapi/linux/btf.h. Only what kvprof needs is decoded: struct and union members
-(with nested anonymous members flattened), pointers, typedefs and modifiers, enums, and
-function prototypes.
-"""
+The device probes run on raw tracepoints, which hand over kernel pointers (a struct request,
+an io_kiocb): far cheaper per I/O than a formatted record, but the probes must know where each
+field sits in this kernel's structs, and installed headers often do not match the running
+kernel. So the offsets reach the probes as -D numbers from BTF, and the tracepoints' argument
+lists are checked against their `btf_trace_<name>` typedefs (format: include/uapi/linux/btf.h)."""
 from __future__ import annotations
 
 import struct

@@ -98,10 +98,9 @@ OP_READ = schema.OPS.index("read")
 OP_WRITE = schema.OPS.index("write")
 POS_NONE = np.uint64(0xFFFFFFFFFFFFFFFF)  # KVPROF_POS_NONE in kvprof/layers/syscall/probe.bpf.c
 # The drain thread's sleep between drains: the shortest while events pour in, growing to the
-# longest while they trickle. Every wake-up preempts the traced workload on a busy host (on
-# 2 vCPUs at 440 k IOPS the recorder's 50 wake-ups a second cost about as much as its work),
-# and a trickle fills the ring in minutes, not in a tenth of a second. The longest also
-# bounds how late a row reaches the store, and how stale the sampler's rate can be.
+# longest while they trickle. Every wake-up preempts the traced workload on a busy host, and a
+# trickle fills the ring in minutes, not in a tenth of a second. The longest also bounds how
+# late a row reaches the store, and how stale the sampler's rate can be.
 DRAIN_INTERVAL_S = 0.02
 DRAIN_IDLE_S = 0.1
 # A drain is due, at the rate the last one saw, before the ring is this full.
@@ -757,10 +756,10 @@ MADV_PAGEOUT = 21  # Linux 5.4+
 
 
 def _release_compiler_memory() -> None:
-    """Compiling the probes (clang/LLVM inside bcc) leaves ~200 MB of freed heap that glibc
-    keeps mapped, and ~80 MB of the compiler's code paged in; a long recording needs
-    neither. The heap goes back to the kernel; the code pages are handed back (MADV_PAGEOUT:
-    they come back from the file if ever run again)."""
+    """Compiling the probes (clang/LLVM inside bcc) leaves a large freed heap that glibc
+    keeps mapped, and the compiler's code paged in; a long recording needs neither. The heap
+    goes back to the kernel; the code pages are handed back (MADV_PAGEOUT: they come back
+    from the file if ever run again)."""
     libc = _libc()
     try:
         libc.malloc_trim(0)

@@ -1,13 +1,10 @@
 """The files the syscall layer traces: which (process, fd) the probes follow, and their paths.
 
-The kernel side (the syscall layer's probe) follows a file from the openat that opened it until
-close, and gives each open a file id; syscall rows carry that id. This side names the ids:
-open records come through their own ring buffer with the path as the process passed it,
-resolved here to an absolute path. A file that turns out not to be a regular one (a
-directory, a FIFO or device opened by path) is taken out of the kernel's map at once, and the
-rows it produced meanwhile are dropped and counted. Files already open when kvprof attached
-are found in /proc and put into the map by hand, with ids of their own range.
-"""
+The probe follows a file from the openat that opened it to its close and gives each open an
+id, which syscall rows carry; open records come through their own ring with the path as the
+process passed it, resolved here to an absolute path. A file that is not a regular one is taken
+out of the kernel's map at once, its rows meanwhile dropped and counted. Files already open at
+attach are found in /proc and put into the map by hand, with ids of their own range."""
 from __future__ import annotations
 
 import dataclasses

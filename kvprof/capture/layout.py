@@ -1,13 +1,10 @@
 """Hold numpy's copies of the probes' C structs and codes to what the compiler made of the C.
 
-numpy reads the probes' records and maps through dtypes written by hand, and the layers, ops
-and counters by number. The item size alone cannot tell two fields of one size swapped in
-the C, or a code renumbered on one side: rows would be read from the wrong bytes, silently.
-So once at load every dtype is compared field by field with the struct as clang laid it out
-(bcc's key and leaf types of the maps that carry it, offsets included), and every code with
-the value of its #define in the text that was compiled. A difference is a bug in kvprof: it
-fails the load in one line, before any data is read.
-"""
+The item size alone cannot tell two fields of one size swapped in the C, or a code renumbered
+on one side: rows would be read from the wrong bytes, silently. So at load every dtype is
+compared field by field, offsets included, with bcc's key and leaf types of the maps carrying
+it, and every code with its #define in the compiled text. A difference is a bug in kvprof: it
+fails the load in one line, before any data is read."""
 from __future__ import annotations
 
 import ast

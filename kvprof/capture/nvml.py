@@ -1,26 +1,10 @@
 """GPU counters from NVML, as `gpu` rows (schema.GPU); `nvml_available()` for doctor and `auto`.
 
 The only module that imports pynvml, and only inside functions, so everything else imports
-without the library or a driver. It knows nothing of phases: kvprof.phases.nvml polls the
-sampler at 10 Hz and classifies its rows.
-
-Per GPU and poll: utilisation rates, power, PCIe throughput, per-process SM utilisation and,
-on GPUs with GPM (Hopper and newer), SM activity, tensor activity and DRAM bandwidth
-utilisation. A field the GPU does not support is NULL; the rest of the row still counts.
-
-GPM metrics are the difference of two samples that NVML wants >= 100 ms apart (shorter windows
-read as zero or NaN). Each GPU keeps its previous sample; a poll that comes sooner than that
-does not take a new one and its row carries the values of the last completed window (the
-newest valid knowledge) instead of NULL, so that a poll a few microseconds early does not
-read as "GPM unsupported". Only a GPU's first rows, before one window completed, have NULL GPM
-fields. On GPM GPUs, PCIe throughput comes from the same GPM window: the legacy
-nvmlDeviceGetPcieThroughput measures 20 ms per call and per direction, which on several GPUs
-would not fit in a 100 ms poll.
-
-A GPU that fails in any other way (lost, fallen off the bus, unknown error) is reported once
-through `on_lost` (the phase source counts it as `nvml.gpu_lost` and closes the GPU's open
-window at its last row) and not asked again; the other GPUs keep being sampled.
-"""
+without the library or a driver. Per GPU and poll: utilisation rates, power, PCIe throughput,
+per-process SM utilisation and, with GPM (Hopper and newer), SM activity, tensor activity and
+DRAM bandwidth utilisation; a field the GPU does not support is NULL, the rest of the row still
+counts. Phases are not known here: kvprof.phases.nvml polls the sampler and classifies its rows."""
 from __future__ import annotations
 
 import json
@@ -162,7 +146,10 @@ class NvmlSampler:
             raise GpuLost(str(e)) from None
 
     def poll(self) -> list[dict]:
-        """One `gpu` row per GPU still answering."""
+        """One `gpu` row per GPU still answering. A GPU that fails other than for an unsupported
+        field (lost, fallen off the bus, unknown error) goes to `on_lost` once and is not asked
+        again (the phase source counts `nvml.gpu_lost` and closes its window at its last row);
+        the others keep being sampled."""
         rows = []
         for gpu in list(self._gpus):
             try:
@@ -193,7 +180,10 @@ class NvmlSampler:
         }
 
     def _gpm(self, gpu: _Gpu, now_ns: int) -> dict | None:
-        """The GPM metrics of the last window of >= 100 ms (see the module docstring)."""
+        """The GPM metrics of the last window of >= 100 ms: NVML takes them from two samples,
+        and shorter windows read as zero or NaN. A poll sooner than that takes no sample and
+        gets the last completed window's values, not NULL, so that a poll a few microseconds
+        early does not read as "GPM unsupported"; only a GPU's first rows have none."""
         if gpu.prev_gpm_ns is not None and now_ns - gpu.prev_gpm_ns < GPM_MIN_INTERVAL_NS:
             return gpu.gpm_values
         prev, cur = gpu.samples
@@ -235,6 +225,9 @@ class NvmlSampler:
         return out
 
     def _pcie(self, gpu: _Gpu, gpm: dict | None) -> tuple[float | None, float | None]:
+        """(rx, tx) bytes a second; on GPM GPUs from the GPM window: nvmlDeviceGetPcieThroughput
+        measures 20 ms per call and direction, which on several GPUs would not fit in the
+        100 ms between the phase source's polls."""
         if gpu.gpm and gpm is None:
             return None, None  # the first GPM window is not complete yet
         if gpm and gpm.get(GPM_PCIE_RX_PER_SEC) is not None:

@@ -1,15 +1,9 @@
 """Read a BPF ring buffer of fixed-size records straight from its memory map.
 
-bcc's reader calls back into Python once per event (about 1 µs each). kvprof's probes only
-emit records of one size, so the records between the consumer and producer positions form a
-plain array: the kernel maps the data area twice in a row, which makes a wrapped run
-contiguous too. One drain is then one numpy view and one store of the consumer position,
-whatever the event rate.
-
-Layout (kernel/bpf/ringbuf.c): page 0 holds consumer_pos (read-write); from page 1 on:
-producer_pos on its own page, then the data area mapped twice. Each record starts with an
-8-byte header {u32 len (bit 31 busy, bit 30 discard); u32 page offset}, padded to 8 bytes.
-"""
+bcc's reader calls back into Python once per event. kvprof's probes only emit records of one
+size and the kernel maps the data area twice in a row, so the records between the consumer and
+producer positions are one plain array, wrapped or not: a drain is one numpy view and one store
+of the consumer position, whatever the event rate."""
 from __future__ import annotations
 
 import mmap
@@ -23,6 +17,11 @@ HEADER = 8
 
 
 class RingReader:
+    """The records of the ring `map_fd` (data area `data_size` bytes, a power of two), read
+    in place. Layout (kernel/bpf/ringbuf.c): page 0 holds consumer_pos (read-write); from page
+    1 on, producer_pos on its own page, then the data area mapped twice. Each record starts
+    with an 8-byte header {u32 len (bit 31 busy, bit 30 discard); u32 page offset}, padded to 8."""
+
     def __init__(self, map_fd: int, data_size: int, record_dtype: np.dtype):
         page = mmap.PAGESIZE
         if data_size <= 0 or data_size & (data_size - 1):

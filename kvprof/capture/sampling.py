@@ -1,15 +1,7 @@
 """How many device-layer requests the event tier keeps: all of them up to a rate, past it 1 in
-2^shift, chosen from the rate offered: the kernel's count of requests started (capture's
-`started()`), not the rows drained, which fall behind the rate when the drain thread is
-starved of CPU. The aggregate tier counts every request whatever this decides; the rows carry
-their weight (schema.IO sample_weight) and each change is stored (schema.EVENT_SAMPLING), so
-reports know which figures are exact and which sampled.
-
-Decided by capture's drain thread (every WINDOW_S; the recorder's flush, which writes the
-rows, can lag seconds behind on a loaded machine): raised at once when the rate is over the
-budget (a burst must not flood the ring and the store), lowered one step after CALM_S seconds
-in a row that would fit the budget even then.
-"""
+2^shift. The aggregate tier counts every request whatever this decides; the rows carry their
+weight (schema.IO sample_weight) and each change is stored (schema.EVENT_SAMPLING), so reports
+know which figures are exact and which sampled."""
 from __future__ import annotations
 
 import time
@@ -36,8 +28,12 @@ class Sampler:
 
     def saw(self, started: Callable[[], int], now_ns: int | None = None
             ) -> pa.RecordBatch | None:
-        """`started()`: device-layer requests started so far (capture's kernel count), read
-        only when a decision is due; returns an event_sampling row when the rate changes."""
+        """Decide from the rate offered: `started()`, the kernel's count of device-layer requests
+        started so far, not the rows drained (they fall behind when the drain thread is starved
+        of CPU), read every WINDOW_S in capture's drain thread (the recorder's flush can lag
+        seconds behind). The shift goes up at once when the rate is over `max_rate` (a burst must
+        not flood the ring and the store), down one step after CALM_S seconds in a row that would
+        fit even then. Returns an event_sampling row when the shift changes."""
         if not self.max_rate:
             return None
         now = time.monotonic()

@@ -1,22 +1,10 @@
 """`kvprof calibrate`: measure what a device can do for the access patterns of prefill and
-decode (the patterns and the stored results: kvprof/calibration.py).
+decode (docs/calibrate.md; the patterns and the stored results: kvprof/calibration.py).
 
-Prefill writes KV cache in large sequential chunks (bandwidth); decode reads small pieces at
-random (IOPS and latency); engines' thread pools use plain pread/pwrite, io_uring users queue
-deep. Each pattern runs for a few seconds with fio as the load (the generator ops already
-trust; kvprof does not write its own). The figures come from the kernel: the device's
-/sys/block stat deltas over fio's run time, as every other kvprof number does; fio's own
-figures are kept beside them, and the latency percentiles are fio's (the kernel keeps none).
-A target with no block device under it (tmpfs) keeps fio's figures.
-
-The result is stored per device, named by model and serial where the kernel knows them, so a
-later recording and its reports find it: `capacity idle` (1 - achieved / capability for the
-phase's pattern) is reported beside time idle.
-
-Safety: a directory gets its own scratch file, deleted afterwards. A raw device is written
-to, so one that is mounted or held (LVM, md) is refused, and one holding a filesystem or any
-data is refused unless --force.
-"""
+Each pattern runs a few seconds with fio as the load (the generator ops already trust; kvprof
+does not write its own). The figures are the kernel's, as every kvprof number is: the device's
+/sys/block stat deltas over fio's run time, fio's own beside them and its latency percentiles
+(the kernel keeps none); a target with no block device under it (tmpfs) keeps fio's figures."""
 from __future__ import annotations
 
 import argparse

@@ -1,18 +1,7 @@
-"""`kvprof demo`: the main job on a built-in default.
-
-A small KV-cache-offload workload runs on a private loop device (kvprof.sandbox: a sparse
-file in /dev/shm, with ext4 on it), recorded live, and the per-phase report is printed:
-
-- prefill writes new KV chunks: 8 MiB each, 1 MiB O_DIRECT writes from two threads, fsync;
-- decode reads random 4 KiB pieces of the chunks written so far, a few per token step with
-  short pauses between steps, so the device is mostly idle, as in real decode; with fio
-  installed, part of decode goes through io_uring so that layer shows up too;
-- idle: a short pause between requests.
-
-Each phase is announced through the real marker protocol, exactly as an engine would.
-Without the privileges live capture needs, the report of a recorded sample is shown instead.
-The loop device, mount and backing file are always removed again, also on errors and Ctrl-C.
-"""
+"""`kvprof demo`: the main job on a built-in default. A small KV-cache-offload workload
+(`_round`) runs on a private loop device (kvprof.sandbox), recorded live, and its per-phase
+report is printed (without the privileges live capture needs, a recorded sample's instead).
+The loop device, mount and backing file are always removed again, also on errors and Ctrl-C."""
 from __future__ import annotations
 
 import argparse
@@ -63,8 +52,8 @@ IDLE_S = 0.3
 # A new round starts only if prefill, a short decode and the idle pause still fit.
 MIN_ROUND_S = 0.6
 FIO_S = 0.5
-# fio unthrottled does ~80k IOPS on a loop device; decode pulls KV at token pace instead,
-# which also keeps a session (and the committed sample) small.
+# Unthrottled, fio would read as fast as the loop device serves; decode pulls KV at token
+# pace instead, which also keeps a session (and the committed sample) small.
 FIO_RATE_IOPS = 2000
 
 
@@ -275,6 +264,11 @@ def _workload(store: _KVStore, marker: Marker, seconds: float) -> None:
 
 def _round(store: _KVStore, marker: Marker, pool: ThreadPoolExecutor, rng: random.Random,
            deadline: float, fio: list[bool]) -> None:
+    """One round, each phase announced through the real marker protocol, as an engine would:
+    prefill writes new KV chunks (CHUNK_BYTES, in BLOCK_BYTES O_DIRECT writes from WRITERS
+    threads, fsync); decode reads random PIECE_BYTES of the chunks so far, a few per token step
+    with pauses, so the device is mostly idle as in real decode (part through fio's io_uring
+    where installed, so that layer shows up too); then an idle pause."""
     marker.mark("prefill")
     store.prefill(pool, CHUNKS_PER_PREFILL)
 

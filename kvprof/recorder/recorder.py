@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from kvprof.views.prometheus import Exporter
 
 
-# Seconds between flushes into the store. A flush costs the recorder a fixed ~5 ms of DuckDB
+# Seconds between flushes into the store. A flush costs the recorder a fixed amount of DuckDB
 # work whatever it carries, so a recording nobody watches flushes half as often as one a live
 # view reads (`kvprof top`); 0.5 s still keeps a killed recording's loss under a second.
 FLUSH_INTERVAL_S = 0.5

@@ -12,26 +12,12 @@ from kvprof.schema import SLOT_NS
 
 class Gate:
     """Where each phase piece of the replay starts on its clock (`edges`, shared with the
-    recorder's ReplayedWindows), decided as the replay goes, and the replaying threads held
-    to it, so that every request is issued inside the piece of the phase it was recorded in.
-
-    The recording's time is cut where its phase changes (`bounds`; piece j runs from
-    bounds[j - 1] to bounds[j]); `segment[k]`: call k's piece, in issue order. Piece j starts
-    once every call of the pieces before it has completed (the only moment the replaying
-    process knows the kernel has issued them), and not before it was due: at the later of
-    the two, so a piece the candidate is slow to serve stretches and the next one starts
-    where it ended. A call goes out at its own time or at its piece's start, whichever is
-    later. Where a call of the pieces before completed within the 4 ms issue slot
-    (schema.SLOT_NS) the start falls in, the start moves to the next slot: no slot of the
-    aggregate tier then holds requests of two phases, and it folds each request as the
-    events do. The threads wait on a condition; those of one process share it (a file replay
-    runs them in its own process, `edges` in a shared mapping).
-
-    `shift` (a replay that keeps each recorded thread's order): a piece is due its recorded
-    length after the previous one started, not at its time on the recording's clock, and its
-    calls at their offsets from its start (`due_in`): a piece the candidate stretched moves
-    every later one, as a step that waited longer for its loads moves the engine's next
-    steps; ReplayedWindows maps the windows the same way."""
+    recorder's ReplayedWindows), decided as the replay goes (`_advance`), and the replaying
+    threads held to it, so that every request is issued inside the piece of the phase it was
+    recorded in. The recording's time is cut where its phase changes (`bounds`: piece j runs
+    from bounds[j - 1] to bounds[j]); `segment[k]`: call k's piece, in issue order. The threads
+    of one process wait on one condition (a file replay's `edges` are a shared mapping, which
+    its recorder reads). `shift`: see `due_in`."""
 
     def __init__(self, bounds: np.ndarray, segment: np.ndarray, edges: np.ndarray,
                  t0: int, speed: float, shift: bool = False) -> None:
@@ -57,12 +43,22 @@ class Gate:
 
     def due_in(self, j: int, issue_ns: int) -> int:
         """When a call recorded at issue_ns, of piece j (whose start is decided), is due in a
-        shifting replay: at its offset from the piece's start."""
+        shifting replay (one that keeps each recorded thread's order): at its offset from the
+        piece's start. There a piece is due its recorded length after the previous one started,
+        not at its time on the recording's clock: a piece the candidate stretched moves every
+        later one, as a step that waited longer for its loads moves the engine's next steps
+        (ReplayedWindows maps the windows the same way)."""
         return int(in_shifted_pieces(np.array([issue_ns], np.int64), np.array([j]),
                                      self.bounds, self.edges, self._start, self.t0,
                                      self.speed)[0])
 
     def _advance(self) -> None:
+        """Under the condition: decide the start of each next piece whose predecessors are all
+        done. Piece j starts once every call of the pieces before it has completed (the only
+        moment the replaying process knows the kernel has issued them) and not before it was
+        due, so a piece the candidate is slow to serve stretches and the next starts where it
+        ended. Where such a call completed within the issue slot (schema.SLOT_NS) the start falls
+        in, it moves to the next slot, so the aggregate tier folds each request as events do."""
         while self._next < len(self.left) and self.left[self._next - 1] == 0:
             j = self._next
             due = (self.due_in(j - 1, int(self.bounds[j - 1])) if self.shift

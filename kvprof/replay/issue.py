@@ -22,23 +22,13 @@ def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
                     gate: Gate, segment: np.ndarray, after: np.ndarray | None = None,
                     gap: np.ndarray | None = None, speed: float = 1.0,
                     issue_ns: np.ndarray | None = None) -> Callable[[int], None]:
-    """A runner that, given start_ns, calls do(k, buffer) for each k at start_ns + due[k]
-    (monotonic ns), or at the start of its phase piece (`gate`, `segment[k]`) where that is
-    later, and returns when all are done. Each lane (the calls with one `lanes` value: reads,
-    writes, syncs) has `jobs` threads of its own, which take its calls in order and sleep
-    until each is due: a call goes out at its time whether or not the ones before it have
-    completed (open loop, up to `jobs` in flight a lane), and within a phase piece writes a
-    slow candidate holds back hold back no reads, as an engine's store and load threads do
-    not wait on each other; a call of the next piece waits until every call of the pieces
-    before has completed (Gate), as it must to be issued in its own phase. With `after`
-    (call k may not go out before call after[k] completed, and then only gap[k] ns later,
-    at `speed`), the calls of one recorded thread keep its order and its pace: a thread of
-    the engine waited for each call before it went on. A shifting gate (Gate.shift) places
-    a call at its recorded offset in its piece (`issue_ns`: the recorded times). The threads
-    sleep rather than spin (the candidate's I/O needs the CPU) and leave the GIL in the calls
-    themselves; `sizes[k]`: the buffer call k needs. Everything is set up here, before the
-    start (buffers, threads): a traced process replaying makes no other calls once it
-    starts. The first OSError ends the replay."""
+    """A runner: given start_ns, it calls do(k, buffer of sizes[k]) for each k at start_ns +
+    due[k] (monotonic ns), or at its phase piece's start (`gate`, `segment[k]`) if later, and
+    returns when all are done. Each lane (`lanes`: reads, writes, syncs) has `jobs` threads of
+    its own, so a slow candidate's writes hold back no reads (an engine's store and load threads
+    do not wait on each other); they take its calls in order, open loop: a call goes out whether
+    or not the ones before it completed. With `after` and `gap` (at `speed`) a recorded thread's
+    calls keep its order and pace; a shifting gate places each at its `issue_ns` in its piece."""
     import itertools
     import mmap
     import os
@@ -85,6 +75,7 @@ def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
                     if ready is None:
                         return
                     at = max(at, ready)
+                # Sleep, never spin: the candidate's I/O needs the CPU.
                 while (wait := at - time.monotonic_ns()) > 0:
                     time.sleep(wait / 1e9)
                 do(k, view)
@@ -95,11 +86,14 @@ def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
                         done_ns[k] = now
                         completed.notify_all()
         except BaseException as e:  # noqa: BLE001 (raised in the caller's thread)
+            # The first error ends the replay; run() raises it in the caller's thread.
             errors.append(e)
             gate.abort()
             with completed:
                 completed.notify_all()
 
+    # Buffers and threads set up now, before the start: a traced process replaying makes no
+    # other calls once it starts.
     threads = []
     for lane in np.unique(lanes).tolist():
         ks = np.flatnonzero(lanes == lane)
@@ -192,16 +186,12 @@ def lay_down(fp: FilePlan, root: Path) -> None:
 
 def issue_files(fp: FilePlan, root: Path, speed: float, gate: Gate, jobs: int = JOBS
                 ) -> Callable[[int], None]:
-    """A runner making the plan's file calls on files under `root`, the first at the
-    start_ns it is given, each in its phase piece (`gate`; all set up before:
-    _at_their_times): each recorded
-    file a file of its own, opened at its first call (O_DIRECT where the recording's was),
-    reads and writes at their offsets, fsyncs as fsyncs; at the end, each file written
-    through the page cache synced (the kernel's writeback, which the engine left its pages
-    to, happens in the new session then rather than when it did). A buffered read that
-    missed the page cache in the recording has its range dropped from it first (where its
-    pages are clean: dirty ones stay), so it goes to the candidate as it went to the
-    device."""
+    """A runner making the plan's file calls on files under `root` (as _at_their_times): each
+    recorded file a file of its own, opened at its first call (O_DIRECT where the recording's
+    was), reads and writes at their offsets, fsyncs as fsyncs. A buffered read that missed the
+    page cache in the recording has its range dropped from it first (clean pages only), so it
+    goes to the candidate as it went to the device. At the end each file written through the
+    page cache is synced: the writeback the engine left it to happens in the new session."""
     import os
 
     fds: dict[tuple[int, bool], int] = {}

@@ -62,31 +62,27 @@ KINDS = ("read", "write", "fsync", "fdatasync")
 
 @dataclass
 class FilePlan:
-    """The file calls to make, in issue order: which file (an index into `paths`, the
-    recorded path of each), KINDS index, O_DIRECT, offset, bytes (done: what `lag` counts),
-    bytes to ask for (reads ask what the recording asked, writes write what it wrote),
-    cold (a buffered read that put pages into the page cache in the recording), phase,
-    recorded issue time; `lay_down`: per file read before the replay writes it, the bytes
-    laid down before the replay (as far as its reads reached), so they read what the
-    recording read. `segment`: each call's phase piece (Gate). `after`: the call the same
-    recorded thread made before it (-1: none) and `gap`: the ns that thread took between
-    that call's completion and this one's issue (its own work; -1 everywhere: an open-loop
-    replay, each call at its time alone), so a
-    thread's calls go out in its order, each after the one before completed, as the engine's
+    """The file calls to make, in issue order, one entry a call in each array. `after` and
+    `gap` keep each recorded thread's order: a call goes out once the call its thread made
+    before it (`after`; -1: none) completed, `gap` ns later (the thread's own work between
+    them; -1 everywhere: an open-loop replay, each call at its time alone), as the engine's
     thread waited for each."""
-    file: np.ndarray
+    file: np.ndarray  # an index into `paths`, the recorded path of each file
     paths: list[str]
     caches: list[str]  # each file's KV cache, as the recording labelled it
-    kind: np.ndarray
-    direct: np.ndarray
+    kind: np.ndarray  # KINDS index
+    direct: np.ndarray  # O_DIRECT
     offset: np.ndarray
-    size: np.ndarray
-    ask: np.ndarray
+    size: np.ndarray  # bytes done: what `lag` counts
+    ask: np.ndarray  # bytes asked: reads what the recording asked, writes what it wrote
+    # A buffered read that put pages into the page cache in the recording.
     cold: np.ndarray
     phase: list[str]
     issue_ns: np.ndarray
+    # Per file read before the replay writes it: the bytes laid down first (as far as its
+    # reads reached), so they read what the recording read.
     lay_down: dict[int, int]
-    segment: np.ndarray
+    segment: np.ndarray  # each call's phase piece (Gate)
     after: np.ndarray
     gap: np.ndarray
 

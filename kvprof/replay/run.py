@@ -114,6 +114,10 @@ def _recording_while(opts, windows, edges: np.ndarray, t0: int, last: int, lead_
 def replay(session: str, on: str, phases: list[str], speed: float, out: str | None,
            force: bool = False, layer: str | None = None, caches: list[str] | None = None,
            open_loop: bool = False) -> dict:
+    """Replay `session` on `on` (a block device or a directory) while a new session, `out`,
+    records it with the recording's windows placed as the replay decides its phases (Gate).
+    `layer` (None: "syscall" on a directory where the session has file calls, else "block"):
+    the KV caches' file calls (`_replay_files`) or the block requests (`_replay_block`)."""
     from kvprof.analysis.recorded import recorded
     from kvprof.phases.replayed import ReplayedWindows
     from kvprof.recorder.options import default_out
@@ -144,6 +148,10 @@ def _lead(p: Plan | FilePlan, start_ns: int, speed: float) -> int:
 
 def _replay_block(got, session: str, on: str, phases: list[str], speed: float, dest: Path,
                   windows, force: bool) -> dict:
+    """Every recorded block read and write of `phases`, O_DIRECT, on the device or a scratch
+    file, each recorded device's range laid after the previous one's (`plan`), open loop; the
+    device merging none meanwhile (`_no_merges`). A session sampled past --event-rate is
+    scaled up to its aggregate tier's counts (analysis/scaleup.py)."""
     import shutil
 
     from kvprof.recorder.options import RecordOptions
