@@ -1,10 +1,6 @@
-"""What a capture layer is made of, written in one place: its descriptor.
-
-Each layer is a folder under kvprof/layers/ holding its probe (probe.bpf.c) and its descriptor
-(LAYER in its __init__.py); kvprof/layers/__init__.py lists them, and capture gives each
-probe its code (-DKVPROF_LAYER_<NAME>). tests/unit/test_descriptors.py fails until the folder
-and the registry agree. Only the standard library is imported, so that
-everything down to schema can read it.
+"""What a capture layer is made of, written once: its descriptor (LAYER in its folder's
+__init__.py, beside its probe). Only the standard library is imported, so that everything
+down to schema can read it; tests/unit/test_descriptors.py holds it to its probe.
 """
 from __future__ import annotations
 
