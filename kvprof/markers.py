@@ -124,10 +124,8 @@ class Marker:
         return batch
 
     def _drain(self) -> None:
-        # Connected: a full receiver queue then makes the send sleep until there is room. (An
-        # unconnected socket polls writable at once and its timed send spins a CPU of the
-        # engine's for as long as the receiver is stalled.)
-        sock: socket.socket | None = None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.settimeout(self.send_timeout_s)
         while True:
             with self._lock:
                 while not self._backlog:
@@ -137,28 +135,14 @@ class Marker:
                 batch = self._take_batch()
             data = batch[0] if len(batch) == 1 else \
                 _BATCH_HEAD + b"[" + b",".join(batch) + b"]}"
-            fresh = sock is None
             try:
-                if sock is None:
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                    sock.settimeout(self.send_timeout_s)
-                    sock.connect(self.path)
-                sock.send(data)
+                sock.sendto(data, self.path)
             except OSError as e:
-                gone = e.errno in (errno.ENOENT, errno.ECONNREFUSED)
-                waited = e.errno in (None, errno.EAGAIN, errno.ENOBUFS)
-                if not waited and sock is not None:
-                    sock.close()  # connected to nothing, or to a receiver now gone
-                    sock = None
                 with self._lock:
                     self.last_error = e.errno if e.errno is not None else errno.ETIMEDOUT
-                    if gone and not fresh:
-                        # The receiver this socket was connected to is gone; the path may
-                        # have a new one: tried again on a new connection.
-                        self._backlog.extendleft(reversed(batch))
-                    elif gone:
-                        self._backlog.clear()  # nobody listens: nobody to lose them
-                    elif waited:
+                    if e.errno in (errno.ENOENT, errno.ECONNREFUSED):
+                        self._backlog.clear()  # the receiver is gone: nobody to lose them
+                    elif e.errno in (None, errno.EAGAIN, errno.ENOBUFS):
                         # Its queue stayed full for send_timeout_s: a receiver starved of
                         # CPU, still there. Sent again, in order; the backlog's bound is
                         # what counts losses, and this thread is not the engine's.
