@@ -251,6 +251,17 @@ UNTRACED = (NOT_SEEN, AT_STOP)
 FORGIVEN_SHARE = 5e-4
 
 
+def ftrace_stats(instance: Path) -> dict[str, int]:
+    """A tracefs instance's ring-buffer counters (entries, overrun, ...), summed over CPUs."""
+    out: dict[str, int] = {}
+    for stats in instance.glob("per_cpu/cpu*/stats"):
+        for line in stats.read_text().splitlines():
+            key, _, value = line.partition(": ")
+            if value.strip().isdigit():
+                out[key] = out.get(key, 0) + int(value)
+    return out
+
+
 class CompletionWitness:
     """The machine's block completions as two witnesses other than kvprof count them, at any
     moment: ftrace's own block_rq_complete events in a tracefs instance of the tests' (the
@@ -282,13 +293,10 @@ RAW_TRACEPOINT_PROBE(block_rq_complete) {
         (self.inst / "events/block/block_rq_complete/enable").write_text("1")
 
     def fired(self) -> int:
-        n = 0
-        for stats in self.inst.glob("per_cpu/cpu*/stats"):
-            f = dict(line.split(": ", 1) for line in stats.read_text().splitlines())
-            # Overwritten events are counted; events dropped otherwise would not be.
-            assert int(f["commit overrun"]) == int(f["dropped events"]) == 0, f
-            n += int(f["entries"]) + int(f["overrun"])
-        return n
+        f = ftrace_stats(self.inst)
+        # Overwritten events are counted; events dropped otherwise would not be.
+        assert f["commit overrun"] == f["dropped events"] == 0, f
+        return f["entries"] + f["overrun"]
 
     def runs(self) -> int:
         return sum(self.bpf["runs"][0])
@@ -328,8 +336,8 @@ def forgiven(report: dict, requests: int, reasons: str | tuple[str, ...] | None 
     count kvprof over-reports cannot excuse a shortfall."""
     by = report["session"]["lost_by_reason"]
     names = tuple(by) if reasons is None else (reasons,) if isinstance(reasons, str) else reasons
-    untraced = sum(by.get(r, 0) for r in names if r in UNTRACED)
-    other = sum(by.get(r, 0) for r in names if r not in UNTRACED)
+    untraced = lost_to(report, tuple(r for r in names if r in UNTRACED))
+    other = lost_to(report, tuple(r for r in names if r not in UNTRACED))
     if WITNESS is not None:
         proven = WITNESS.proven(TEST_STARTED)
         assert untraced <= proven, (f"{untraced} reported untraced, {proven} proven so since "

@@ -210,7 +210,8 @@ class Capture:
         check_codes(int_defines(self.program.text, self.program.cflags), _codes(layers),
                     CODE_FAMILIES)
         self._filemap = "-DKVPROF_FILEMAP" in self.program.cflags
-        self.bpf = self._load()
+        self._dev_names: dict[int, Device] = {d.kernel_dev: d for d in filters.devices}
+        self._load()
         self._open_readers(cache_rules)
         # Decided in the drain thread from the kernel's count: a burst is sampled within a
         # quarter second, however late the recorder's flush is.
@@ -219,7 +220,7 @@ class Capture:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._drain_loop, name="kvprof-drain", daemon=True)
 
-    def _load(self):
+    def _load(self) -> None:
         """The program compiled, loaded and attached (bcc does all three), its structs held to
         our dtypes and its filters filled; nothing attached is left behind on failure."""
         usdt: list = []
@@ -243,10 +244,8 @@ class Capture:
             bpf.cleanup()
             raise
         self.bpf = bpf
-        self._dev_names: dict[int, Device] = {d.kernel_dev: d for d in self.filters.devices}
         self._fill_filters()
         _release_compiler_memory()
-        return bpf
 
     def _open_readers(self, cache_rules: tuple[caches.Rule, ...]) -> None:
         """What reads the loaded program's maps: the event ring and its flush, the opens ring

@@ -32,6 +32,7 @@ from tests.helpers import (
     READ_IOS,
     UNTRACED,
     WRITE_IOS,
+    ftrace_stats,
     live,
     lost_to,
     read_stat,
@@ -140,13 +141,9 @@ def ftrace_completions(dev: str):
         (event / "enable").write_text("1")
         yield got
         (event / "enable").write_text("0")
-        fired = overrun = 0
-        for stats in inst.glob("per_cpu/cpu*/stats"):
-            fields = dict(line.split(": ", 1) for line in stats.read_text().splitlines())
-            fired += int(fields["entries"])
-            overrun += int(fields["overrun"])
-        assert overrun == 0, overrun
-        got.append(fired)
+        stats = ftrace_stats(inst)
+        assert stats["overrun"] == 0, stats
+        got.append(stats["entries"])
     finally:
         inst.rmdir()
 
