@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvprof.capture.nvml import NvmlSampler  # noqa: E402
 from kvprof.errors import KvprofError  # noqa: E402
-from kvprof.phases.nvml_classifier import WindowTracker  # noqa: E402
+from kvprof.phases.nvml import WindowTracker  # noqa: E402
 
 MS = 1_000_000
 GUARD_NS = 250 * MS

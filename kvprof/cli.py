@@ -12,13 +12,11 @@ from collections.abc import Callable
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
 
-from kvprof import (
-    __version__,  # noqa: E402 - after the environment above
-    phase_sources,
-)
+from kvprof import __version__  # noqa: E402 - after the environment above
 from kvprof import layers as layer_table
 from kvprof.calibration import BY_NAME as PATTERNS
 from kvprof.errors import EX_SOFTWARE, EX_USAGE, KvprofError
+from kvprof.phases import registry as phase_registry
 
 EXAMPLES = """examples:
   sudo kvprof demo                       # built-in KV-offload workload on a private loop device
@@ -54,7 +52,7 @@ def descriptor_help() -> str:
     lines = ["layers (--layer):"]
     lines += [f"  {x.name:<10}{x.help}" for x in layer_table.LAYERS]
     lines.append("phase sources (--phases):")
-    lines += [f"  {source_usage(k):<25}{k.help}" for k in phase_sources.PHASE_SOURCES]
+    lines += [f"  {source_usage(k):<25}{k.help}" for k in phase_registry.PHASE_SOURCES]
     return "\n".join(lines) + "\n"
 
 

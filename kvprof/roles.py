@@ -1,6 +1,6 @@
 """What a process is in a serving stack, from its command line: shown instead of a bare pid.
 
-The engines' roles come with their phase sources (kvprof/phase_sources.py, which says how
+The engines' roles come with their phase sources (kvprof/phases/registry.py, which says how
 each engine names its processes); the others are here. The vLLM fs tier's disk threads run
 in EngineCore, not in the GPU workers: the role says which of the engine's processes did the
 I/O. First match wins; None: not a known role.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from kvprof.phase_sources import PHASE_SOURCES
+from kvprof.phases.registry import PHASE_SOURCES
 
 # Processes of the serving stack that no phase source follows: (pattern on the command
 # line, role), after the engines' own.

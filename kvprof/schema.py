@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from kvprof import layers
-from kvprof.phase_sources import PHASE_SOURCES
+from kvprof.phases.registry import PHASE_SOURCES
 
 # Layers that produce I/O rows, by name; each is described once in kvprof/layers.py (probe,
 # tracepoints, codes). Index = code.

@@ -27,7 +27,10 @@ STORE, ANALYSIS, VIEWS, COMMANDS = ("kvprof.store", "kvprof.analysis", "kvprof.v
 WORKFLOWS = ("kvprof.recorder", "kvprof.replay", "kvprof.sandbox", "kvprof.live")
 FLOW = ((CAPTURE, PHASES), (STORE,), (ANALYSIS,), (VIEWS,), WORKFLOWS, (COMMANDS,),
         ("kvprof.cli",))
-SHARED = ("kvprof.schema", "kvprof.summary", "kvprof.layers", "kvprof.phase_sources",
+# The phase sources' registry is a shared definition too: stdlib only, it loads a source's
+# module by name when it builds one.
+REGISTRY = "kvprof.phases.registry"
+SHARED = ("kvprof.schema", "kvprof.summary", "kvprof.layers", REGISTRY,
           "kvprof.errors", "kvprof.system", "kvprof.privileges", "kvprof.devices",
           "kvprof.caches", "kvprof.roles", "kvprof.units", "kvprof.calibration",
           "kvprof.markers", "kvprof.wakeup", "kvprof.targets")
@@ -62,17 +65,20 @@ RULES = (
          exempt=("kvprof.views.prometheus",)),
     # The shared definitions are read by every stage and read none of them.
     Rule("shared definitions import no stage", applies_to=SHARED,
-         forbid=(CAPTURE, PHASES, *_later(0))),
+         forbid=(CAPTURE, PHASES, *_later(0)), allow=(REGISTRY,)),
     # Each stage imports only from the stages before it: data flows one way.
-    Rule("capture only produces rows", applies_to=(CAPTURE,), forbid=(PHASES, *_later(0))),
+    Rule("capture only produces rows", applies_to=(CAPTURE,), forbid=(PHASES, *_later(0)),
+         allow=(REGISTRY,)),
     # The NVML phase source wraps the sampler; nothing else in capture is theirs to use.
     Rule("phase sources only produce rows", applies_to=(PHASES,),
          forbid=(CAPTURE, *_later(0)), allow=("kvprof.capture.nvml",)),
-    Rule("the store only keeps rows", applies_to=(STORE,), forbid=(CAPTURE, PHASES, *_later(1))),
+    Rule("the store only keeps rows", applies_to=(STORE,), forbid=(CAPTURE, PHASES, *_later(1)),
+         allow=(REGISTRY,)),
     Rule("analysis only reads the store", applies_to=(ANALYSIS,),
-         forbid=(CAPTURE, PHASES, *_later(2))),
+         forbid=(CAPTURE, PHASES, *_later(2)), allow=(REGISTRY,)),
     # Views show what correlate computed: no queries, no number crunching of their own.
-    Rule("views only show", applies_to=(VIEWS,), forbid=(CAPTURE, PHASES, *_later(3))),
+    Rule("views only show", applies_to=(VIEWS,), forbid=(CAPTURE, PHASES, *_later(3)),
+         allow=(REGISTRY,)),
     Rule("views never import duckdb", forbid=("duckdb",), applies_to=(VIEWS,)),
     Rule("workflows run the stages below", applies_to=WORKFLOWS, forbid=_later(4)),
     Rule("views compute nothing themselves", applies_to=(VIEWS,),

@@ -4,7 +4,7 @@ The only module that imports pynvml, and only inside functions, so everything el
 without the library or a driver. Per GPU and poll: utilisation rates, power, PCIe throughput,
 per-process SM utilisation and, with GPM (Hopper and newer), SM activity, tensor activity and
 DRAM bandwidth utilisation; a field the GPU does not support is NULL, the rest of the row still
-counts. Phases are not known here: kvprof.phases.nvml polls the sampler and classifies its rows."""
+counts. Phases are not known here: kvprof.phases.nvml polls the sampler and classifies them."""
 from __future__ import annotations
 
 import json

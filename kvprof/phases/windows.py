@@ -4,7 +4,7 @@ A source that learns the phase of [t0, t1) one interval at a time (a scrape inte
 an NVML sample averaged over) keeps one `Track` per engine or GPU. Touching intervals of one
 phase merge into an open window (confidence: their duration-weighted mean; token counts, where
 known, summed); a change of phase or a gap closes it. The rules for labels, gaps and held spans
-stay with each source (metrics.py, nvml_classifier.py)."""
+stay with each source (metrics.py, nvml.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

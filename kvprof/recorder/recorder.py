@@ -20,6 +20,7 @@ import duckdb
 
 from kvprof import __version__, caches, calibration, privileges, schema, system
 from kvprof.analysis.fold import WindowBook
+from kvprof.capture.nvml import nvml_available
 from kvprof.capture.sampling import row as sampling_row
 from kvprof.devices import Device, queue_limits
 from kvprof.errors import EX_IOERR, EX_USAGE, KvprofError
@@ -173,7 +174,7 @@ class Recorder:
             metrics_host = opts.prometheus.rpartition(":")[0] or "*"
         # Marks are taken while the probes compile (the thread holds no privilege).
         marks.start()
-        for spec in registry.resolve_specs(opts.phases, self.log):
+        for spec in registry.resolve_specs(opts.phases, _gpu_present, self.log):
             try:
                 self.sources.append((spec, registry.build(spec)))
             except KvprofError as e:
@@ -480,3 +481,10 @@ def _devices_json(devs: tuple[Device, ...]) -> str:
             entry["calibration"] = found
         out.append(entry)
     return json.dumps(out)
+
+
+def _gpu_present() -> bool:
+    """A GPU that NVML can sample, as `kvprof doctor` finds it; without one this fails fast
+    (no library, or no driver) and never raises."""
+    status = nvml_available()
+    return status.ok and status.gpus > 0

@@ -14,15 +14,16 @@ import re
 import shutil
 import subprocess
 import sys
+from importlib import import_module
 from pathlib import Path
 
 import pytest
 
-from kvprof import cli, layers, phase_sources, privileges, roles, schema, system
+from kvprof import cli, layers, privileges, roles, schema, system
 from kvprof.capture import btf, ebpf
 from kvprof.layers import Layer
-from kvprof.phase_sources import PhaseSourceKind
 from kvprof.phases import registry
+from kvprof.phases.registry import PhaseSourceKind
 
 PROBES = layers.DIR
 LAYER_HELP_COLUMNS = 68  # beside a 12-column name: 80 in all
@@ -94,30 +95,35 @@ def layer_problems(table: tuple[Layer, ...] | None = None, probes: Path = PROBES
     return out
 
 
+def _source_class(k: PhaseSourceKind) -> type | None:
+    """The class an entry's `source` names, when kvprof/phases has it."""
+    module, _, name = (k.source or "").partition(":")
+    if not (registry.__file__ and (Path(registry.__file__).parent / f"{module}.py").is_file()):
+        return None
+    found = getattr(import_module(f"kvprof.phases.{module}"), name, None)
+    return found if isinstance(found, type) else None
+
+
 def source_problems(table: tuple[PhaseSourceKind, ...] | None = None,
-                    built: dict[str, registry.Source] | None = None,
                     help_text: str | None = None) -> list[str]:
-    """Everything the phase source facts and the registry get wrong together, one line each."""
-    table = phase_sources.PHASE_SOURCES if table is None else table
-    built = registry.SOURCES if built is None else built
+    """Everything a phase source's entry in the registry gets wrong, one line each."""
+    table = registry.PHASE_SOURCES if table is None else table
     help_text = record_help() if help_text is None else help_text
     out = []
     kinds = [k.kind for k in table]
     if len(set(kinds)) != len(kinds):
         out.append(f"phase source kinds repeat: {kinds}")
-    for kind in sorted(set(built) - set(kinds)):
-        out.append(f"registry.SOURCES has {kind!r}, which kvprof/phase_sources.py does not")
     ranks: dict[str, set[int]] = {}
     for k in table:
         where = f"phase source {k.kind!r}"
-        how = built.get(k.kind)
-        if how is None:
-            out.append(f"{where}: no entry in registry.SOURCES (how it is built and found)")
-        elif k.built and how.build is None:
-            out.append(f"{where}: runs in a thread but registry.SOURCES has no builder")
-        elif not k.built and how.build is not None:
-            out.append(f"{where}: has a builder but is marked as not built")
-        if how is not None and how.discover is not None and not k.built:
+        if k.source is not None:
+            cls = _source_class(k)
+            if cls is None:
+                out.append(f"{where}: its source {k.source} is not a class in kvprof/phases")
+            elif getattr(cls, "name", None) != k.kind:
+                out.append(f"{where}: its source {k.source} is named "
+                           f"{getattr(cls, 'name', None)!r}")
+        if k.discover is not None and k.source is None:
             out.append(f"{where}: discovered but never built")
         if k.label is not None and k.rank is None:
             out.append(f"{where}: brings windows labelled {k.label!r} but has no rank")
@@ -176,7 +182,7 @@ def test_the_cli_offers_exactly_the_layers_and_sources():
     record = next(a for a in cli.build_parser()._actions if a.dest == "command").choices["record"]
     layer = next(a for a in record._actions if a.dest == "layer")
     assert list(layer.choices) == list(schema.LAYERS)
-    for k in phase_sources.PHASE_SOURCES:
+    for k in registry.PHASE_SOURCES:
         assert registry.parse(k.kind + (f"={k.default_target or 'x'}" if k.target else "")).kind \
             == k.kind
 
@@ -186,7 +192,7 @@ def test_schema_and_roles_take_their_figures_from_the_sources():
     assert set(schema.ENGINE_MEANS) == {"ttft_s", "itl_s", "prefix_cache_hit_share"}
     # The first pair a session has is used: vLLM's own before the older spelling.
     assert schema.ENGINE_MEANS["itl_s"][0][0] == "vllm:inter_token_latency_seconds_sum"
-    assert all(pair in schema.ENGINE_MEANS[f] for k in phase_sources.PHASE_SOURCES
+    assert all(pair in schema.ENGINE_MEANS[f] for k in registry.PHASE_SOURCES
                for f, pairs in k.means.items() for pair in pairs)
     assert roles.role("VLLM::EngineCore_DP0") == "vllm EngineCore"
     assert roles.role("text-generation-router --port 1") == "tgi router"
@@ -199,12 +205,12 @@ class FakeSampler:
         self.gpu_indices = []
 
 
-@pytest.mark.parametrize("kind", [k.kind for k in phase_sources.PHASE_SOURCES if k.built])
+@pytest.mark.parametrize("kind", [k.kind for k in registry.PHASE_SOURCES if k.source])
 def test_every_built_source_is_constructible(kind, monkeypatch):
     from kvprof.phases import nvml
 
     monkeypatch.setattr(nvml, "NvmlSampler", FakeSampler)
-    facts = phase_sources.PHASE_SOURCE_KINDS[kind]
+    facts = registry.PHASE_SOURCE_KINDS[kind]
     target = facts.default_target or ("tcp://127.0.0.1:1" if facts.target else None)
     source = registry.build(registry.parse(kind + (f"={target}" if target else "")))
     assert source.name == kind
@@ -259,39 +265,42 @@ def test_a_layer_missing_from_the_cli_fails(monkeypatch):
 FAKE = PhaseSourceKind("fake-hook", "a fake engine hook", label="fake", rank=3)
 
 
+def add_source(monkeypatch, kind: PhaseSourceKind) -> None:
+    monkeypatch.setattr(registry, "PHASE_SOURCES", registry.PHASE_SOURCES + (kind,))
+
+
 def test_a_source_without_a_rank_fails(monkeypatch):
-    monkeypatch.setattr(phase_sources, "PHASE_SOURCES", phase_sources.PHASE_SOURCES
-                        + (dataclasses.replace(FAKE, rank=None),))
-    monkeypatch.setitem(registry.SOURCES, "fake-hook", registry.Source(lambda target: None))
+    add_source(monkeypatch, dataclasses.replace(FAKE, rank=None))
     assert source_problems() == [
         "phase source 'fake-hook': brings windows labelled 'fake' but has no rank"]
 
 
 def test_a_source_the_registry_cannot_build_fails(monkeypatch):
-    monkeypatch.setattr(phase_sources, "PHASE_SOURCES", phase_sources.PHASE_SOURCES + (FAKE,))
+    add_source(monkeypatch, dataclasses.replace(FAKE, source="metrics:FakeHook"))
     assert source_problems() == [
-        "phase source 'fake-hook': no entry in registry.SOURCES (how it is built and found)"]
-    monkeypatch.setitem(registry.SOURCES, "fake-hook", registry.Source())
+        "phase source 'fake-hook': its source metrics:FakeHook is not a class in kvprof/phases"]
+    monkeypatch.setattr(registry, "PHASE_SOURCES", registry.PHASE_SOURCES[:-1] + (
+        dataclasses.replace(FAKE, source="metrics:VllmMetrics"),))
     assert source_problems() == [
-        "phase source 'fake-hook': runs in a thread but registry.SOURCES has no builder"]
+        "phase source 'fake-hook': its source metrics:VllmMetrics is named 'vllm-metrics'"]
+    monkeypatch.setattr(registry, "PHASE_SOURCES", registry.PHASE_SOURCES[:-1] + (
+        dataclasses.replace(FAKE, discover=registry.PHASE_SOURCE_KINDS["vllm-metrics"].discover),))
+    assert source_problems() == ["phase source 'fake-hook': discovered but never built"]
 
 
 def test_a_source_missing_from_the_cli_help_fails(monkeypatch):
     help_before = record_help()  # as if the CLI listed its sources by hand
-    monkeypatch.setattr(phase_sources, "PHASE_SOURCES", phase_sources.PHASE_SOURCES + (FAKE,))
-    monkeypatch.setitem(registry.SOURCES, "fake-hook", registry.Source(lambda target: None))
+    add_source(monkeypatch, FAKE)
     assert source_problems(help_text=help_before) == [
         "phase source 'fake-hook': not listed in `kvprof record -h`"]
-    monkeypatch.setattr(phase_sources, "PHASE_SOURCES", phase_sources.PHASE_SOURCES[:-1]
+    monkeypatch.setattr(registry, "PHASE_SOURCES", registry.PHASE_SOURCES[:-1]
                         + (dataclasses.replace(FAKE, help=""),))
     assert source_problems() == [
         f"phase source 'fake-hook': needs a help line of 1..{SOURCE_HELP_COLUMNS} characters"]
 
 
 def test_a_label_given_two_ranks_fails(monkeypatch):
-    monkeypatch.setattr(phase_sources, "PHASE_SOURCES", phase_sources.PHASE_SOURCES
-                        + (dataclasses.replace(FAKE, label="metrics"),))
-    monkeypatch.setitem(registry.SOURCES, "fake-hook", registry.Source(lambda target: None))
+    add_source(monkeypatch, dataclasses.replace(FAKE, label="metrics"))
     assert source_problems() == ["windows labelled 'metrics' are given several ranks: [2, 3]"]
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from kvprof import schema
 from kvprof.errors import EX_UNAVAILABLE, KvprofError
-from kvprof.phases.nvml_classifier import ClassifierConfig, WindowTracker, classify
+from kvprof.phases.nvml import ClassifierConfig, WindowTracker, classify
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = Path(__file__).resolve().parents[1] / "nvml_sim"
@@ -233,7 +233,7 @@ def test_no_pynvml_is_a_kvprof_error(monkeypatch):
 
 
 def test_importing_the_modules_does_not_import_pynvml():
-    code = ("import sys, kvprof.capture.nvml, kvprof.phases.nvml_classifier, kvprof.phases.nvml; "
+    code = ("import sys, kvprof.capture.nvml, kvprof.phases.nvml; "
             "print('pynvml' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True, cwd=ROOT).stdout
