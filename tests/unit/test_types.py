@@ -32,3 +32,15 @@ def test_ruff_finds_nothing():
     r = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_mypy_checks_the_bodies_of_unannotated_functions(tmp_path):
+    """check_untyped_defs is on: a wrong key read inside a function with no annotations fails."""
+    view = tmp_path / "untyped.py"
+    view.write_text("from kvprof.summary import PhaseStats\n\n\n"
+                    "def idle(ph):\n"
+                    "    stats: PhaseStats = ph\n"
+                    "    return stats['block']['time_idle']\n")
+    r = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental", str(view)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 1 and '"time_idle"' in r.stdout, r.stdout
