@@ -123,9 +123,26 @@ class Marker:
             batch.append(self._backlog.popleft())
         return batch
 
+    def _send_waiting(self, sock: socket.socket, data: bytes) -> None:
+        """Send, waiting up to send_timeout_s for room in the receiver's queue. poll() calls an
+        unconnected datagram socket writable whatever that queue holds, so a timed send would
+        spin a CPU of the engine's for as long as the receiver is stalled; the wait is a
+        sleep instead, doubling from 1 ms to 50 ms."""
+        deadline = time.monotonic() + self.send_timeout_s
+        pause = 0.001
+        while True:
+            try:
+                sock.sendto(data, self.path)
+                return
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.ENOBUFS) or time.monotonic() >= deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
     def _drain(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.settimeout(self.send_timeout_s)
+        sock.setblocking(False)
         while True:
             with self._lock:
                 while not self._backlog:
@@ -136,13 +153,13 @@ class Marker:
             data = batch[0] if len(batch) == 1 else \
                 _BATCH_HEAD + b"[" + b",".join(batch) + b"]}"
             try:
-                sock.sendto(data, self.path)
+                self._send_waiting(sock, data)
             except OSError as e:
                 with self._lock:
-                    self.last_error = e.errno if e.errno is not None else errno.ETIMEDOUT
+                    self.last_error = e.errno
                     if e.errno in (errno.ENOENT, errno.ECONNREFUSED):
                         self._backlog.clear()  # the receiver is gone: nobody to lose them
-                    elif e.errno in (None, errno.EAGAIN, errno.ENOBUFS):
+                    elif e.errno in (errno.EAGAIN, errno.ENOBUFS):
                         # Its queue stayed full for send_timeout_s: a receiver starved of
                         # CPU, still there. Sent again, in order; the backlog's bound is
                         # what counts losses, and this thread is not the engine's.

@@ -249,6 +249,49 @@ def test_a_backed_up_receiver_gets_windows_late_and_counts_those_it_never_got(tm
     assert got + undelivered == 301
 
 
+def test_a_stalled_receiver_costs_the_engine_no_cpu(tmp_path):
+    """While the receiver reads nothing (a recorder stopped, or starved), the sender's backlog
+    thread sleeps between tries: its process spends next to no CPU time (a send that polled
+    instead spends all of it, one CPU for the whole stall: 0.67 s a second measured so)."""
+    from kvprof.markers import Marker
+
+    server = MarkServer(str(tmp_path / "m.sock"))  # bound, not reading
+    m = Marker(str(server.path), engine="e", source="hook", send_timeout_s=0.3)
+    for i in range(300):
+        m.window("decode", 1000 + 10 * i, 1005 + 10 * i)
+    cpu, wall = time.process_time(), time.monotonic()
+    time.sleep(1.0)  # three timed-out sends
+    cpu, wall = time.process_time() - cpu, time.monotonic() - wall
+    print(f"stalled receiver: the sender's process used {cpu:.3f} s CPU in {wall:.3f} s")
+    assert cpu < 0.1 * wall
+    server.start()
+    assert m.flush(5)
+    _wait_received(server, 300)
+    assert (server.take()["phase"].num_rows, m.lost) == (300, 0)
+
+
+def test_a_sender_outlives_its_receiver_and_reaches_the_next(tmp_path):
+    """A recorder stops and another starts on the same path while the engine keeps sending:
+    the new one gets what is sent after it is bound."""
+    from kvprof.markers import Marker
+
+    path = str(tmp_path / "m.sock")
+    first = MarkServer(path)
+    m = Marker(path, engine="e", source="hook", send_timeout_s=0.2)
+    for i in range(100):  # the queue fills: the rest goes through the backlog thread
+        m.window("decode", 1000 + 10 * i, 1005 + 10 * i)
+    first.start()
+    assert m.flush(5)
+    first.stop(time.monotonic_ns())
+    second = MarkServer(path)  # bound, not reading yet: sends back up again
+    for i in range(100, 200):
+        m.window("decode", 1000 + 10 * i, 1005 + 10 * i)
+    second.start()
+    assert m.flush(5)
+    _wait_received(second, 100)
+    assert second.take()["phase"].num_rows == 100
+
+
 def test_a_receiver_starved_past_the_send_timeout_loses_nothing(tmp_path):
     """A recorder starved of CPU for longer than a send waits: the backlog waits with it
     (it is bounded, and not the engine's thread), and every window arrives."""
