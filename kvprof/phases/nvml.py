@@ -1,13 +1,10 @@
-"""The `nvml` phase source: phase windows guessed from GPU counters, prefill being
-compute-bound and decode memory-bound.
+"""The `nvml` phase source: windows guessed from GPU counters (prefill compute-bound, decode
+memory-bound), the lowest rank, used where no hook or metrics window is.
 
-The fallback source (rank `nvml`, the lowest: a hook or scraped metrics win wherever they have
-a window). `NvmlSource` polls capture's sampler (kvprof.capture.nvml, the one pynvml importer)
-at 10 Hz, stores its `gpu` rows and feeds them to `WindowTracker`, which classifies each row:
-its label covers the time since the GPU's previous row (what NVML averaged over); rows of one
-label merge into a window (`windows.Track`) that ends at its last row, as later time was not
-measured. Idle is never emitted: no window means idle. A GPU that stops answering is counted
-once as `nvml.gpu_lost` and its open window ends at its last row; the other GPUs go on."""
+`NvmlSource` polls capture's sampler at 10 Hz, stores its `gpu` rows and feeds `WindowTracker`:
+a row's label covers the time since the GPU's previous row, rows of one label merge into a
+window ending at its last row; no window means idle. A GPU that stops answering counts once as
+`nvml.gpu_lost`, its window ends at its last row, and the other GPUs go on."""
 from __future__ import annotations
 
 from dataclasses import dataclass

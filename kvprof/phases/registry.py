@@ -1,13 +1,8 @@
-"""The phase sources, one entry each: what `--phases` offers, and all that is known of each.
+"""The phase sources, one `PhaseSourceKind` each: facts (target, window label and rank, engine
+figures, process roles, help), the class that runs it and how `auto` finds it.
 
-An entry (`PhaseSourceKind`) holds a source's facts — its target, the label and rank of its
-windows, the engine figures its counters give, the engine's process roles, its help line —
-and how it is built (`source`: its class in this package) and found by `auto` (`discover`).
-Schema derives SOURCE_RANK, ENGINE_MEANS and ENGINE_TOKENS from the table, roles.py the
-processes' roles, the CLI its help; so this module sits below them and imports nothing but
-the standard library: a source's module is loaded by name, and only when it is built.
-tests/unit/test_descriptors.py fails while an entry misses a part.
-"""
+Schema, roles and the CLI read this table, so it imports only the standard library: a source's
+module is loaded by name when it is built. tests/unit/test_descriptors.py checks every entry."""
 from __future__ import annotations
 
 import re

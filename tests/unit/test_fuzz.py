@@ -5,11 +5,13 @@ input means or raises its own error (ValueError; Malformed for ZMQ) for a counte
 anything else, never a hang. Each input is checked against the test's own reading of the
 format, and inputs valid by construction (what the sender, exporter or publisher writes, then
 reformatted, padded or spoiled) must come back with the meaning they were written with, or be
-refused. 10 000 examples each, two inputs an example; the counts are printed at the end."""
+refused. 10 000 examples each (KVPROF_FUZZ_RUNS sets fewer for a quick loop), two inputs an
+example; the counts are printed at the end."""
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
 import socket
@@ -36,7 +38,7 @@ from kvprof.phases.zmq_sources import (
 from kvprof.schema import SOURCE_RANK
 from tests.helpers import FUZZ_COUNTS
 
-RUNS = 10_000
+RUNS = int(os.environ.get("KVPROF_FUZZ_RUNS", "10000"))
 FUZZ = settings(max_examples=RUNS, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 
