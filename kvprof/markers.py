@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Mapping
 
 ENV_SOCKET = "KVPROF_SOCKET"
 DEFAULT_SOCKET = "/run/kvprof/marks.sock"
@@ -184,13 +184,15 @@ class Marker:
             time.sleep(0.005)
 
     def _common(self, phase: str, engine: str | None, prefill_tokens: int | None,
-                decode_tokens: int | None) -> dict:
+                decode_tokens: int | None, counters: Mapping[str, float] | None = None) -> dict:
         msg: dict = {"v": WIRE_VERSION, "phase": phase, "engine": self.engine if engine is None
                      else engine, "source": self.source}
         if prefill_tokens is not None:
             msg["prefill_tokens"] = int(prefill_tokens)
         if decode_tokens is not None:
             msg["decode_tokens"] = int(decode_tokens)
+        if counters:
+            msg["counters"] = dict(counters)
         return msg
 
     def mark(self, phase: str, ts_ns: int | None = None, engine: str | None = None,
@@ -201,9 +203,11 @@ class Marker:
         return self._send(msg)
 
     def window(self, phase: str, start_ns: int, end_ns: int, engine: str | None = None,
-               prefill_tokens: int | None = None, decode_tokens: int | None = None) -> bool:
-        """A complete window [start_ns, end_ns)."""
-        msg = self._common(phase, engine, prefill_tokens, decode_tokens)
+               prefill_tokens: int | None = None, decode_tokens: int | None = None,
+               counters: Mapping[str, float] | None = None) -> bool:
+        """A complete window [start_ns, end_ns). `counters`: how far the engine's own counters
+        moved in it (series the registry lists for senders on this socket)."""
+        msg = self._common(phase, engine, prefill_tokens, decode_tokens, counters)
         msg["start_ns"], msg["end_ns"] = int(start_ns), int(end_ns)
         return self._send(msg)
 

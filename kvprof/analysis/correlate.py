@@ -513,8 +513,9 @@ def _engine(counters: list[tuple[str, str, float]], total_s: float) -> Engine:
                 means[figure] = moved.get(num, 0.0) / moved[den]
                 break
     tokens: dict[str, float | None] = {}
-    for figure, names in schema.ENGINE_TOKENS.items():
-        got = [moved[n] for n in names if n in moved]
+    for figure, engines in schema.TOKENS_BY_ENGINE.items():
+        got = [next(moved[n] for n in names if n in moved) for names in engines
+               if any(n in moved for n in names)]
         tokens[figure] = sum(got) if got else None
     share, gen = means["prefix_cache_hit_share"], tokens["generation_tokens"]
     return {"ttft_s": means["ttft_s"], "itl_s": means["itl_s"],

@@ -54,6 +54,9 @@ class Mark:
     sid: str | None = None  # the sending Marker, and its message number (gaps are losses)
     seq: int | None = None
     unsent: int = 0  # marks the sender could not make before this one, in all
+    # How far the engine's own counters moved in this window: (series, amount), the series
+    # among schema.MARK_SERIES.
+    counters: tuple[tuple[str, float], ...] = ()
 
 
 def _int(msg: dict, key: str, required: bool) -> int | None:
@@ -79,6 +82,19 @@ def _load(data: bytes) -> dict:
     return msg
 
 
+def _counters(given: object) -> tuple[tuple[str, float], ...]:
+    if not isinstance(given, dict) or len(given) > len(schema.MARK_SERIES):
+        raise ValueError("bad counters")
+    out = []
+    for name, v in given.items():
+        if name not in schema.MARK_SERIES:
+            raise ValueError(f"unknown counter {name!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e15:
+            raise ValueError(f"counter {name} must be a finite non-negative number")
+        out.append((name, float(v)))
+    return tuple(sorted(out))
+
+
 def _parse(msg: object) -> Mark:
     if not isinstance(msg, dict):
         raise ValueError("not a JSON object")
@@ -101,6 +117,8 @@ def _parse(msg: object) -> Mark:
         prefill_tokens=_int(msg, "prefill_tokens", False),
         decode_tokens=_int(msg, "decode_tokens", False),
         sid=sid, seq=_int(msg, "seq", False), unsent=_int(msg, "unsent", False) or 0)
+    if "counters" in msg:
+        common["counters"] = _counters(msg["counters"])
     if "ts_ns" in msg:
         return Mark(ts_ns=_int(msg, "ts_ns", True), **common)
     start, end = _int(msg, "start_ns", True), _int(msg, "end_ns", True)
@@ -219,6 +237,42 @@ class WindowBuilder:
         return pa.Table.from_pylist(rows, schema=schema.PHASE) if rows else None
 
 
+class CounterBook:
+    """The engine counters that windows carry, as `engine_metric` rows: each sender's running
+    total per series, a row at the end of every window that moved it, and a zero at the start
+    of the first, so that a session's figures hold every step it received. Not thread-safe:
+    one owner feeds it."""
+
+    def __init__(self) -> None:
+        self._totals: dict[tuple[int | None, str, str, str], float] = {}
+        self.rows: list[dict] = []
+        self.dropped = 0  # past MAX_ENGINES senders or MAX_PENDING rows
+
+    def add(self, m: Mark) -> None:
+        if not m.counters:
+            return
+        if len(self.rows) + 2 * len(m.counters) > MAX_PENDING or \
+                len(self._totals) + len(m.counters) > MAX_ENGINES * len(schema.MARK_SERIES):
+            self.dropped += 1
+            return
+        start = m.ts_ns if m.ts_ns is not None else m.start_ns
+        end = m.ts_ns if m.ts_ns is not None else m.end_ns
+        labels = json.dumps({"sender": m.sid or ""})
+        for name, amount in m.counters:
+            key = (m.sender_pid, m.sid or "", m.engine, name)
+            if key not in self._totals:
+                self._totals[key] = 0.0
+                self.rows.append({"ts_ns": start, "engine": m.engine, "name": name,
+                                  "labels": labels, "value": 0.0})
+            self._totals[key] += amount
+            self.rows.append({"ts_ns": end, "engine": m.engine, "name": name,
+                              "labels": labels, "value": self._totals[key]})
+
+    def take(self) -> pa.Table | None:
+        rows, self.rows = self.rows, []
+        return pa.Table.from_pylist(rows, schema=schema.ENGINE_METRIC) if rows else None
+
+
 def _claim(path: Path) -> None:
     """Remove a stale socket left by a dead recorder; refuse to steal a live one."""
     try:
@@ -268,6 +322,7 @@ class MarkServer:
         self.allow = frozenset(allow) | {0} if allow else frozenset()
         self.builder = WindowBuilder()
         self.senders = SenderSequences()
+        self.counters = CounterBook()
         self.received = 0
         self.malformed = 0
         self.refused = 0
@@ -351,11 +406,12 @@ class MarkServer:
                     m = dataclasses.replace(m, sender_pid=cred[0], sender_uid=cred[1])
                 self.senders.add(m.sender_pid, m)
                 self.builder.add(m)
+                self.counters.add(m)
 
     def take(self) -> dict[str, pa.Table]:
         with self._lock:
-            rows = self.builder.take()
-        return {"phase": rows} if rows is not None else {}
+            tables = {"phase": self.builder.take(), "engine_metric": self.counters.take()}
+        return {name: rows for name, rows in tables.items() if rows is not None}
 
     def open_rows(self, now_ns: int) -> list[dict]:
         with self._lock:
@@ -365,7 +421,8 @@ class MarkServer:
         with self._lock:
             return {"marks_malformed": self.malformed,
                     "marks_out_of_order": self.builder.out_of_order,
-                    "marks_refused": self.refused, "marks_dropped": self.builder.dropped,
+                    "marks_refused": self.refused,
+                    "marks_dropped": self.builder.dropped + self.counters.dropped,
                     "marks_undelivered": self.senders.lost(),
                     "marks_unsent": self.senders.unsent()}
 

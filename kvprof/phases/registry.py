@@ -43,6 +43,9 @@ class PhaseSourceKind:
     # (pattern on a command line, role) for the engine's processes (roles.py); `\1` takes
     # the engine's own name for the process.
     roles: tuple[tuple[str, str], ...] = ()
+    # The engine whose counters these are: its sources count the same tokens (schema
+    # counts them once); None: the kind's own.
+    engine: str | None = None
     # "module:Class" in kvprof.phases, built with its target (when it takes one) and run in a
     # thread of its own; None: its windows come on the marker socket (always received), or it
     # only picks other sources (auto).
@@ -83,11 +86,22 @@ PHASE_SOURCES: tuple[PhaseSourceKind, ...] = (
     # they rank together above scraped metrics.
     PhaseSourceKind("marks", "windows sent to the marker socket (always received)",
                     label="manual", rank=3),
-    PhaseSourceKind("vllm-plugin", "vLLM's kvprof plugin: a window per engine step",
-                    label="hook", rank=3),
+    # The plugin's windows carry how far vLLM's own counters moved in each step (the same
+    # figures vLLM's Prometheus logger counts, from the same stats), under these names.
+    PhaseSourceKind(
+        "vllm-plugin", "vLLM's kvprof plugin: a window per engine step", label="hook", rank=3,
+        engine="vllm",
+        means={"ttft_s": (("vllm-plugin:time_to_first_token_seconds_sum",
+                           "vllm-plugin:time_to_first_token_seconds_count"),),
+               "itl_s": (("vllm-plugin:inter_token_latency_seconds_sum",
+                          "vllm-plugin:inter_token_latency_seconds_count"),),
+               "prefix_cache_hit_share": (("vllm-plugin:prefix_cache_hits_total",
+                                           "vllm-plugin:prefix_cache_queries_total"),)},
+        tokens={"prompt_tokens": ("vllm-plugin:prompt_tokens_total",),
+                "generation_tokens": ("vllm-plugin:generation_tokens_total",)}),
     PhaseSourceKind(
         "vllm-metrics", "vLLM's Prometheus /metrics, scraped", target="URL",
-        default_target="http://127.0.0.1:8000/metrics", label="metrics", rank=2,
+        default_target="http://127.0.0.1:8000/metrics", label="metrics", rank=2, engine="vllm",
         source="metrics:VllmMetrics", discover=Discovery(VLLM, _metrics_url("--port", "8000")),
         means={"ttft_s": (("vllm:time_to_first_token_seconds_sum",
                            "vllm:time_to_first_token_seconds_count"),),
@@ -113,6 +127,7 @@ PHASE_SOURCES: tuple[PhaseSourceKind, ...] = (
     PhaseSourceKind(
         "sglang-metrics", "SGLang's Prometheus /metrics, scraped", target="URL",
         default_target="http://127.0.0.1:30000/metrics", label="metrics", rank=2,
+        engine="sglang",
         source="metrics:SglangMetrics",
         discover=Discovery(SGLANG, _metrics_url("--port", "30000")),
         means={"ttft_s": (("sglang:time_to_first_token_seconds_sum",

@@ -99,6 +99,10 @@ def keep_scheduled_times() -> bool:
     return True
 
 
+# The series of vLLM's own counters the windows carry (kvprof/phases/registry.py).
+PREFIX = "vllm-plugin:"
+
+
 def _count(obj: Any, name: str) -> int | None:
     """A non-negative integer attribute, or None when it is missing or not a count."""
     v = getattr(obj, name, None)
@@ -132,6 +136,9 @@ class KvprofStatLogger(StatLoggerBase):
         self.errors = 0
         self.skipped: dict[str, int] = {}  # steps with tokens that got no window, by why
         self._last_end: dict[int, int] = {}
+        # How far vLLM's counters moved since the last window sent, per engine index: a step
+        # that gets no window hands its counts to the next.
+        self._moved: dict[int, dict[str, float]] = {}
         keep_scheduled_times()
         # The one line vLLM's log shows at start: what the plugin does and where it sends.
         _log.info("kvprof: a phase window per step of engine %d, timed by vLLM's own "
@@ -157,8 +164,31 @@ class KvprofStatLogger(StatLoggerBase):
                 _log.warning("kvprof: the phase plugin failed on vLLM's stats (said once)",
                              exc_info=True)
 
+    def _count_moved(self, scheduler_stats: Any, iteration_stats: Any, engine_idx: int) -> None:
+        """Add what vLLM's Prometheus logger counts from these same stats to the engine's
+        pending counters (series of the registry's `vllm-plugin` entry)."""
+        moved = self._moved.setdefault(engine_idx, {})
+
+        def add(name: str, amount: float) -> None:
+            if amount:
+                moved[PREFIX + name] = moved.get(PREFIX + name, 0.0) + amount
+
+        cache = getattr(scheduler_stats, "prefix_cache_stats", None)
+        add("prefix_cache_queries_total", _count(cache, "queries") or 0)
+        add("prefix_cache_hits_total", _count(cache, "hits") or 0)
+        if iteration_stats is None:
+            return
+        add("prompt_tokens_total", _count(iteration_stats, "num_prompt_tokens") or 0)
+        add("generation_tokens_total", _count(iteration_stats, "num_generation_tokens") or 0)
+        for series, attr in (("time_to_first_token_seconds", "time_to_first_tokens_iter"),
+                             ("inter_token_latency_seconds", "inter_token_latencies_iter")):
+            seen = _seconds(getattr(iteration_stats, attr, None))
+            add(series + "_sum", sum(seen))
+            add(series + "_count", len(seen))
+
     def _record(self, scheduler_stats: Any, iteration_stats: Any, engine_idx: int,
                 now: int) -> None:
+        self._count_moved(scheduler_stats, iteration_stats, engine_idx)
         details = getattr(scheduler_stats, "iteration_details", None)
         if details is not None and getattr(details, "is_dummy", False):
             return  # a DP padding step: no request ran
@@ -183,8 +213,11 @@ class KvprofStatLogger(StatLoggerBase):
             self._skip("it ended before the previous step did")
             return
         self._last_end[engine_idx] = end
+        # Counts go with this window whether or not it arrives: a window lost is counted,
+        # and counts held back for a recorder not yet listening would land in a later span.
+        moved = self._moved.pop(engine_idx, None)
         if self.marker.window(phase, start, end, engine=f"vllm:{engine_idx}",
-                              prefill_tokens=prefill, decode_tokens=decode):
+                              prefill_tokens=prefill, decode_tokens=decode, counters=moved):
             self.sent += 1
 
     @staticmethod

@@ -169,6 +169,43 @@ def test_a_short_prefills_window_is_the_engines_prefill_time(vllm, loopdev, star
     assert hook_s == pytest.approx(engine_s, rel=0.10)
 
 
+def test_the_plugins_engine_figures_are_the_engines_own(vllm, loopdev, start_recorder):
+    """With the plugin as the only source, the report's engine section is vLLM's own: its
+    /metrics moved by the same load, token for token, and the same mean time to first token,
+    inter-token latency and prefix-cache hit share (the plugin counts from the stats vLLM's
+    Prometheus logger reads, step by step)."""
+    rec = start_recorder("-d", loopdev, "--phases", "vllm-plugin", socket=vllm.marks_socket)
+    m0 = vllm.metrics()
+    seed = next(SEEDS)
+    vllm.complete(400, 16, seed)
+    vllm.complete(400, 16, seed)  # the same prompt again: prefix-cache hits
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda s: vllm.complete(200, 24, s), [next(SEEDS) for _ in range(3)]))
+    time.sleep(0.5)
+    m1 = vllm.metrics()
+    assert rec.stop() == 0
+    report = rec.report()
+    engine = report["engine"]
+
+    def moved(name: str) -> float:
+        return delta(m0, m1, name)
+
+    print(f"engine section: {engine}")
+    assert moved("vllm:prefix_cache_hits_total") > 0  # the repeated prompt hit
+    assert report["session"]["lost_by_reason"]["marks_undelivered"] == 0
+    assert engine["prompt_tokens"] == moved("vllm:prompt_tokens_total")
+    assert engine["generation_tokens"] == moved("vllm:generation_tokens_total")
+    exact = pytest.approx  # (the same floats, summed in another order)
+    assert engine["ttft_s"] == exact(moved("vllm:time_to_first_token_seconds_sum")
+                                     / moved("vllm:time_to_first_token_seconds_count"), rel=1e-9)
+    assert engine["itl_s"] == exact(moved("vllm:inter_token_latency_seconds_sum")
+                                    / moved("vllm:inter_token_latency_seconds_count"), rel=1e-9)
+    assert engine["prefix_cache_hit_pct"] == exact(
+        100 * moved("vllm:prefix_cache_hits_total") / moved("vllm:prefix_cache_queries_total"),
+        rel=1e-9)
+    assert engine["throughput_tokens_per_s"] > 0
+
+
 def _background_reads(loopdev: str, seconds: float) -> subprocess.Popen:
     """A steady read load beside the engine: 4 KiB random reads at 1500 a second, so that
     every phase window, and every edge between them, has I/O in it."""

@@ -290,3 +290,21 @@ def test_inflight_mean_from_the_aggregate_tier_where_events_are_missing():
     assert idle["prefill"][:2] == (92.0, pytest.approx(1.0))
     assert idle["decode"][:2] == (None, None)  # two devices: their union is unknown
     assert idle["decode"][2]["sdb"] == {"time_idle_pct": 95.0, "inflight_mean": 1.0}
+
+
+def test_an_engine_counted_by_its_plugin_and_its_metrics_is_counted_once():
+    """The plugin and the scrape count one vLLM's tokens alike: the plugin's are taken, its
+    means first, and another engine's tokens are added."""
+    from kvprof.analysis.correlate import _engine
+
+    moved = [("vllm-plugin:prompt_tokens_total", '{"sender": "a"}', 700.0),
+             ("vllm:prompt_tokens_total", "{}", 690.0),  # (scraped a little before the end)
+             ("sglang:prompt_tokens_total", "{}", 50.0),
+             ("vllm-plugin:time_to_first_token_seconds_sum", "{}", 2.0),
+             ("vllm-plugin:time_to_first_token_seconds_count", "{}", 4.0),
+             ("vllm:time_to_first_token_seconds_sum", "{}", 9.0),
+             ("vllm:time_to_first_token_seconds_count", "{}", 4.0)]
+    engine = _engine(moved, 10.0)
+    assert engine["prompt_tokens"] == 750.0
+    assert engine["ttft_s"] == 0.5
+    assert engine["generation_tokens"] is None

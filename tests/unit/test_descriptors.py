@@ -190,8 +190,17 @@ def test_the_cli_offers_exactly_the_layers_and_sources():
 def test_schema_and_roles_take_their_figures_from_the_sources():
     assert schema.SOURCE_RANK == {"hook": 3, "manual": 3, "metrics": 2, "nvml": 1}
     assert set(schema.ENGINE_MEANS) == {"ttft_s", "itl_s", "prefix_cache_hit_share"}
-    # The first pair a session has is used: vLLM's own before the older spelling.
-    assert schema.ENGINE_MEANS["itl_s"][0][0] == "vllm:inter_token_latency_seconds_sum"
+    # The first pair a session has is used: the plugin's (exact to the step), then vLLM's
+    # own before the older spelling.
+    assert [pair[0] for pair in schema.ENGINE_MEANS["itl_s"][:3]] == [
+        "vllm-plugin:inter_token_latency_seconds_sum", "vllm:inter_token_latency_seconds_sum",
+        "vllm:time_per_output_token_seconds_sum"]
+    # One engine's tokens once: the plugin's or the scrape's, not both.
+    assert schema.TOKENS_BY_ENGINE["prompt_tokens"] == (
+        ("vllm-plugin:prompt_tokens_total", "vllm:prompt_tokens_total"),
+        ("sglang:prompt_tokens_total",))
+    # Windows on the marker socket carry only their own sources' series.
+    assert schema.MARK_SERIES and all(n.startswith("vllm-plugin:") for n in schema.MARK_SERIES)
     assert all(pair in schema.ENGINE_MEANS[f] for k in registry.PHASE_SOURCES
                for f, pairs in k.means.items() for pair in pairs)
     assert roles.role("VLLM::EngineCore_DP0") == "vllm EngineCore"

@@ -35,7 +35,7 @@ from kvprof.phases.zmq_sources import (
     decode_kv_batch,
     decode_kv_event,
 )
-from kvprof.schema import SOURCE_RANK
+from kvprof.schema import MARK_SERIES, SOURCE_RANK
 from tests.helpers import FUZZ_COUNTS
 
 RUNS = int(os.environ.get("KVPROF_FUZZ_RUNS", "10000"))
@@ -110,6 +110,11 @@ def _want_mark(msg: object) -> Mark | None:
     opt = {k: msg.get(k) for k in ("prefill_tokens", "decode_tokens", "seq", "unsent")}
     if not all(v is None or _u63(v) for v in opt.values()):
         return None
+    counters = msg.get("counters", {})
+    if not (isinstance(counters, dict) and len(counters) <= len(MARK_SERIES)
+            and all(k in MARK_SERIES and type(v) in (int, float) and 0 <= v < 1e15
+                    for k, v in counters.items())):
+        return None
     if "ts_ns" in msg:  # a transition
         if not _u63(msg["ts_ns"]):
             return None
@@ -121,7 +126,8 @@ def _want_mark(msg: object) -> Mark | None:
         when = {"start_ns": start, "end_ns": end}
     return Mark(phase=msg["phase"], engine=engine, source=source, sid=sid,
                 prefill_tokens=opt["prefill_tokens"], decode_tokens=opt["decode_tokens"],
-                seq=opt["seq"], unsent=opt["unsent"] or 0, **when)
+                seq=opt["seq"], unsent=opt["unsent"] or 0,
+                counters=tuple(sorted((k, float(v)) for k, v in counters.items())), **when)
 
 
 _BAD = object()
@@ -154,6 +160,8 @@ def _check_mark(m: Mark) -> None:
     for v in (m.ts_ns, m.start_ns, m.end_ns, m.prefill_tokens, m.decode_tokens, m.seq):
         assert v is None or _u63(v)
     assert _u63(m.unsent) and m.sender_pid is None and m.sender_uid is None
+    assert len(m.counters) <= len(MARK_SERIES)
+    assert all(n in MARK_SERIES and 0 <= v < 1e15 for n, v in m.counters)
     # Exactly one of a transition or a complete window, and a window never ends first.
     if m.ts_ns is None:
         assert m.start_ns is not None and m.end_ns is not None and m.start_ns < m.end_ns
@@ -176,6 +184,8 @@ MARK_FIELDS = {
     "sid": st.text(max_size=8) | json_scalars,
     **{k: stamp for k in ("ts_ns", "start_ns", "end_ns", "prefill_tokens", "decode_tokens",
                           "seq", "unsent")},
+    "counters": st.dictionaries(st.sampled_from(sorted(MARK_SERIES)) | st.text(max_size=6),
+                                json_scalars | st.floats(0, 2e15), max_size=3) | json_small,
 }
 mark_like = st.one_of(
     st.dictionaries(st.sampled_from(list(MARK_FIELDS)) | st.text(max_size=8), json_small,
@@ -193,7 +203,10 @@ SPOILS = {"v": [2, 0, "1", None, [1]],
           "engine": ["e" * (MAX_ENGINE_LEN + 1), 5, None, ["e"], {}],
           "source": ["rumour", "", None, ["hook"], {"manual": 1}, 3],
           "sid": ["s" * (MAX_SID_LEN + 1), 5, ["a"], {}],
-          **{k: _WRONG_INT for k in ("prefill_tokens", "decode_tokens", "seq", "unsent")}}
+          **{k: _WRONG_INT for k in ("prefill_tokens", "decode_tokens", "seq", "unsent")},
+          "counters": [None, 5, ["x"], {"vllm:prompt_tokens_total": 1},
+                       *({name: v} for name in sorted(MARK_SERIES)[:2]
+                         for v in (-1, 1e15, float("nan"), True, "1", None, [1]))]}
 
 
 def spoil(rnd: random.Random, window: bool, start: int) -> tuple:
@@ -226,9 +239,11 @@ def sender_call(rnd: random.Random) -> dict:
         spoil(rnd, window, start),
         # One byte changed, added or taken out: no promise; the reading above decides.
         ("edit", rnd.randrange(10_000), rnd.randint(0, 2), bytes([rnd.randrange(256)]))])
+    counters = {n: rnd.choice([0, 1, rnd.randrange(10**14), rnd.uniform(0, 1e6)])
+                for n in rnd.sample(sorted(MARK_SERIES), rnd.randint(0, 3))} if window else {}
     return {"phase": rnd.choice(PHASES), "source": rnd.choice(sorted(SOURCE_RANK)),
             "engine": _text(rnd, rnd.choice([8, MAX_ENGINE_LEN])), "skips": rnd.randint(0, 2),
-            "window": window, "times": times,
+            "window": window, "times": times, "counters": counters,
             "prefill_tokens": tokens(), "decode_tokens": tokens(), "change": change}
 
 
@@ -239,14 +254,17 @@ def _send(marker: Marker, rx: socket.socket, call: dict) -> tuple[bytes, Mark]:
     tok = {"prefill_tokens": call["prefill_tokens"], "decode_tokens": call["decode_tokens"]}
     if call["window"]:
         start, end = sorted(call["times"])
-        assert marker.window(call["phase"], start, end, engine=call["engine"], **tok)
+        assert marker.window(call["phase"], start, end, engine=call["engine"],
+                             counters=call["counters"], **tok)
         when = {"start_ns": start, "end_ns": end}
     else:
         assert marker.mark(call["phase"], ts_ns=call["times"][0], engine=call["engine"], **tok)
         when = {"ts_ns": call["times"][0]}
     data = rx.recv(MAX_DATAGRAM + 1)
+    counters = tuple(sorted((k, float(v)) for k, v in call["counters"].items()))
     return data, Mark(phase=call["phase"], engine=call["engine"], source=marker.source,
-                      sid=marker.sid, seq=marker.seq, unsent=marker.unsent, **when, **tok)
+                      sid=marker.sid, seq=marker.seq, unsent=marker.unsent, counters=counters,
+                      **when, **tok)
 
 
 def test_marker_datagrams(tmp_path):

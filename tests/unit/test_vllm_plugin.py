@@ -59,6 +59,7 @@ DRIVER = textwrap.dedent('''
         num_waiting_reqs: int = 0
         kv_cache_usage: float = 0.0
         iteration_details: SchedulerIterationDetails | None = None
+        prefix_cache_stats: object = None
 
     @dataclass
     class PromptTokenStats:
@@ -112,7 +113,9 @@ DRIVER = textwrap.dedent('''
     log0.record(step(4, 0, 0, 0, 0, 1.5), IterationStats())     # empty step: nothing
     time.sleep(0.03)
     # No iteration details (vLLM's defaults): tokens and lengths from IterationStats.
-    log0.record(SchedulerStats(), IterationStats(generated=6, itl=[0.012] * 6))
+    log0.record(SchedulerStats(prefix_cache_stats=SimpleNamespace(requests=2, queries=640,
+                                                                  hits=512)),
+                IterationStats(generated=6, itl=[0.012] * 6))
     time.sleep(0.02)
     # Two prefills finished; one waited 0.5 s: the window starts where the last one ended.
     log0.record(None, IterationStats(generated=2, computed=300, ttft=[0.5, 0.3]))
@@ -165,7 +168,8 @@ def test_plugin_discovered_by_entry_point_sends_step_windows(tmp_path, marks):
     while marks.received < 6 and time.monotonic() < wait_until:
         time.sleep(0.01)
     marks.stop(time.monotonic_ns())
-    table = marks.take()["phase"]
+    taken = marks.take()
+    table = taken["phase"]
     assert marks.counts() == {"marks_malformed": 0, "marks_out_of_order": 0,
                               "marks_refused": 0, "marks_dropped": 0,
                               "marks_undelivered": 0,
@@ -194,6 +198,25 @@ def test_plugin_discovered_by_entry_point_sends_step_windows(tmp_path, marks):
     assert 20_000_000 <= durations[4] < 500_000_000
     for a, b in zip(rows[:4], rows[1:5]):
         assert a["end_ns"] <= b["start_ns"]
+
+    # What vLLM's Prometheus logger counts from the same stats, carried by the windows: a
+    # zero where each series starts, the running total at the end of every window it moved in.
+    counted = sorted(taken["engine_metric"].to_pylist(), key=lambda r: (r["name"], r["ts_ns"]))
+    assert {r["engine"] for r in counted} == {"vllm:0"}  # engine 1's stats counted nothing
+    ends = {r["end_ns"] for r in rows}
+    last = {}
+    for r in counted:
+        assert r["ts_ns"] in ends or r["value"] == 0.0
+        last[r["name"].removeprefix("vllm-plugin:")] = r["value"]
+    assert last == pytest.approx({
+        "prompt_tokens_total": 512 + 128 + 300, "generation_tokens_total": 1 + 5 + 8 + 6 + 2,
+        "time_to_first_token_seconds_sum": 0.04 + 0.02 + 0.5 + 0.3,
+        "time_to_first_token_seconds_count": 4,
+        "inter_token_latency_seconds_sum": 0.041 * 2 + 0.01 * 8 + 0.012 * 6,
+        "inter_token_latency_seconds_count": 4 + 8 + 6,
+        "prefix_cache_queries_total": 640, "prefix_cache_hits_total": 512})
+    assert all(min(r["value"] for r in counted if r["name"] == n) == 0.0
+               for n in {r["name"] for r in counted})
 
 
 def test_plugin_imports_without_vllm_and_never_raises(tmp_path):
