@@ -35,6 +35,9 @@ ELSEWHERE_PCT = 20.0
 SMALL_WRITE_PCT = 10.0
 # Prefix cache: the reads this many more points of hit share would remove.
 HIT_STEP_PCT = 10.0
+# A phase's own finding rests on at least this many requests of one op: below that there is
+# no p99 to judge by (a file system's journal flushing a few blocks says nothing of storage).
+MIN_IOS = 100
 
 
 @dataclass(frozen=True)
@@ -49,14 +52,26 @@ class Finding:
                 "figures": self.figures}
 
 
-def _main_op(ph: PhaseStats) -> tuple[str, str, OpStats] | None:
-    """(layer, op, entry) carrying most bytes in the phase's device layer (ties: read)."""
+def _main_op(ph: PhaseStats, least: int = 1) -> tuple[str, str, OpStats] | None:
+    """(layer, op, entry) carrying most bytes in the phase's device layer (ties: read), of
+    the ops with at least `least` requests."""
     layer = phase_layer(ph)
-    ops = [(op, ph[layer][op]) for op in MAIN_OPS if ph[layer][op]["ios"]]
+    ops = [(op, ph[layer][op]) for op in MAIN_OPS if ph[layer][op]["ios"] >= max(1, least)]
     if not ops:
         return None
     op, e = max(ops, key=lambda kv: kv[1]["bytes"])
     return layer, op, e
+
+
+def _little_io(phase: str, ph: PhaseStats) -> Finding:
+    layer, op, e = _main_op(ph)  # type: ignore[misc]  # (the phase has some I/O)
+    at = f"phases.{phase}.{layer}.{op}"
+    others = [f"{ph[layer][o]['ios']} {o}s" for o in MAIN_OPS if o != op and ph[layer][o]["ios"]]
+    return Finding("little-io", phase, (
+        f"{phase}: little storage I/O, {e['ios']} {op}s ({human_bytes(e['bytes'])})"
+        f"{''.join(', ' + o for o in others)} in {ph['time_s']:.1f} s: too few requests "
+        f"(under {MIN_IOS}) to judge the storage by"),
+        {f"{at}.ios": e["ios"], f"{at}.bytes": e["bytes"], f"phases.{phase}.time_s": ph["time_s"]})
 
 
 def _phase(phase: str, ph: PhaseStats) -> Finding | None:
@@ -64,10 +79,12 @@ def _phase(phase: str, ph: PhaseStats) -> Finding | None:
     if ph["time_s"] <= 0:
         return None
     base = f"phases.{phase}"
-    found = _main_op(ph)
-    if found is None:
+    if _main_op(ph) is None:
         return Finding("no-io", phase, f"{phase}: no storage I/O in {ph['time_s']:.1f} s",
                        {f"{base}.time_s": ph["time_s"]})
+    found = _main_op(ph, MIN_IOS)
+    if found is None:
+        return _little_io(phase, ph)
     layer, op, e = found
     at = f"{base}.{layer}.{op}"
     idle = ph["block"].get("time_idle_pct")

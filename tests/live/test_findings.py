@@ -107,7 +107,27 @@ def judged(summary: dict, phase: str = "prefill") -> dict:
     report = {**summary, "findings": [f.as_dict() for f in findings(summary)]}
     return next(f for f in found(report).values() if f["phase"] == phase
                 and f["rule"] in ("latency-bound", "bandwidth-bound", "not-storage-bound",
-                                  "phase-io"))
+                                  "phase-io", "little-io"))
+
+
+def test_a_few_requests_are_too_few_to_judge_the_storage_by():
+    """Four 4 KiB writes in 12 s of decode (a journal's flushes) on an idle device: no claim
+    about what limits decode, only how little it did; 100 requests are enough."""
+    f = judged(by_hand("decode", "write", size=4096, ios=4, time_s=12.0, idle=100.0,
+                       depth=1.0), "decode")
+    assert (f["rule"], f["text"]) == ("little-io", (
+        "decode: little storage I/O, 4 writes (16.0 KiB) in 12.0 s: too few requests "
+        "(under 100) to judge the storage by"))
+    assert judged(by_hand("decode", "write", size=4096, ios=100, time_s=12.0, idle=100.0,
+                          depth=1.0), "decode")["rule"] == "latency-bound"
+    # The op with enough requests is judged, though another moved more bytes in fewer.
+    summary = by_hand("decode", "write", size=4096, ios=5000, time_s=12.0, idle=99.0,
+                      depth=1.0)
+    summary["phases"]["decode"]["block"]["read"].update(
+        ios=50, bytes=50 << 20, bandwidth_bytes_per_s=(50 << 20) / 12.0, iops=50 / 12.0,
+        size_hist={str(1 << 20): 50})
+    f = judged(summary, "decode")
+    assert f["rule"] == "latency-bound" and f["text"].startswith("decode writes")
 
 
 def test_large_requests_one_at_a_time_on_a_busy_device_are_latency_bound():
