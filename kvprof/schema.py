@@ -245,21 +245,37 @@ SOURCE_RANK = {s.label: s.rank for s in PHASE_SOURCES if s.label and s.rank is n
 ENGINE_MEANS = _merged(s.means for s in PHASE_SOURCES)
 # Token counters: the session's generated tokens a second (its throughput).
 ENGINE_TOKENS = _merged(s.tokens for s in PHASE_SOURCES)
-# The same token counters grouped by the engine they count, most exact source first: a
-# session's tokens are, per engine, those of the first of its series it has.
-TOKENS_BY_ENGINE: dict[str, tuple[tuple[str, ...], ...]] = {
-    figure: tuple(tuple(n for s in PHASE_SOURCES if (s.engine or s.kind) == engine
-                        for n in s.tokens.get(figure, ()))
-                  for engine in dict.fromkeys(s.engine or s.kind for s in PHASE_SOURCES
-                                              if figure in s.tokens))
-    for figure in ENGINE_TOKENS}
-ENGINE_SERIES = frozenset([n for pairs in ENGINE_MEANS.values() for pair in pairs for n in pair]
-                          + [n for names in ENGINE_TOKENS.values() for n in names])
+# What the engines say of their KV offload: figure -> counters, as ENGINE_TOKENS.
+OFFLOAD_COUNTS = _merged(s.offload for s in PHASE_SOURCES)
+
+
+def _by_engine(counts: str) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """Figure -> per engine, its counters of that figure, most exact source first: a
+    session's figure is, per engine, that of the first of its series it has (an engine's
+    plugin and its scrape count the same tokens)."""
+    figures = dict.fromkeys(f for s in PHASE_SOURCES for f in getattr(s, counts))
+    return {figure: tuple(
+        tuple(n for s in PHASE_SOURCES if (s.engine or s.kind) == engine
+              for n in getattr(s, counts).get(figure, ()))
+        for engine in dict.fromkeys(s.engine or s.kind for s in PHASE_SOURCES
+                                    if figure in getattr(s, counts)))
+        for figure in figures}
+
+
+TOKENS_BY_ENGINE = _by_engine("tokens")
+OFFLOAD_BY_ENGINE = _by_engine("offload")
+
+
+def _series(s) -> list[str]:
+    return [*(n for pairs in s.means.values() for pair in pairs for n in pair),
+            *(n for names in s.tokens.values() for n in names),
+            *(n for names in s.offload.values() for n in names)]
+
+
+ENGINE_SERIES = frozenset(n for s in PHASE_SOURCES for n in _series(s))
 # The series a window on the marker socket may carry (`counters`): those of the sources
 # whose windows come there (no thread of their own).
-MARK_SERIES = frozenset(n for s in PHASE_SOURCES if s.source is None
-                        for n in [*(x for pairs in s.means.values() for p in pairs for x in p),
-                                  *(x for names in s.tokens.values() for x in names)])
+MARK_SERIES = frozenset(n for s in PHASE_SOURCES if s.source is None for n in _series(s))
 
 # The aggregate tier (kvprof.h, capture/aggregate.py, kvprof/analysis/fold.py): every
 # block and io_uring request counted in the kernel, per completion second, phase, layer, op

@@ -151,6 +151,20 @@ class Engine(TypedDict):
     throughput_tokens_per_s: float | None
 
 
+class Offload(TypedDict):
+    """What the engine says its KV connector supplied beside what the KV caches' files did
+    (the caches' read and write calls, all phases of the span)."""
+    hit_tokens: float | None  # prompt tokens the connector supplied (the engine's count)
+    query_tokens: float | None  # prompt tokens it was asked for
+    bytes_per_token: float | None  # the engine's KV bytes a token, where it says
+    claimed_read_bytes: float | None  # the bytes those hits make
+    files_read_bytes: int
+    files_written_bytes: int
+    device_read_bytes: int  # what the reading threads took from the device meanwhile
+    page_cache_hit_pct: float | None  # of files_read_bytes, the share not from the device
+    caches: list[str]
+
+
 class ExactOp(TypedDict):
     ios: int
     bytes: int
@@ -241,6 +255,7 @@ class Summary(TypedDict):
     session: Session
     phases: dict[str, PhaseStats]
     engine: Engine
+    offload: Offload
     exact: Exact | None
 
 

@@ -7,6 +7,7 @@ law) is its requests' summed device time over the rest. A `RowSource`'s answers 
 store, or the live row cache) become the report (`summarize`) and the dashboard's `frame`."""
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from kvprof.analysis.rowsource import (
     ViewFilter,
     WritebackRow,
 )
+from kvprof.caches import OTHER
 from kvprof.schema import SLOT_NS
 from kvprof.store.session import SessionInfo
 from kvprof.summary import (
@@ -49,6 +51,7 @@ from kvprof.summary import (
     GdsLayer,
     LayerOps,
     MainOp,
+    Offload,
     OpCapacity,
     OpStats,
     PhaseEngine,
@@ -210,6 +213,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
         idle = _idle_from_exact(idle, exact)
     capacity = _capacity(ops, times, info.devices)
     phase_engine = _phase_engine(rows.phase_tokens(t0, t1), times, mixed)
+    counters = rows.engine_counters(t0, t1)
     phases: dict[str, PhaseStats] = {}
     for p in schema.PHASES:
         cap = capacity[p]
@@ -268,7 +272,9 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
             "mixed": mixed,
         },
         "phases": phases,
-        "engine": _engine(rows.engine_counters(t0, t1), total_s),
+        "engine": _engine(counters, total_s),
+        "offload": _offload(_moved(counters), _bytes_per_token(
+            rows.engine_labels("vllm:cache_config_info", t1)), phases),
         "exact": exact,
     }
     on_block = info.config.get("io_uring_on_block")
@@ -498,13 +504,65 @@ def _capacity(ops: LayerOpsByPhase, times: dict[str, float], devices: list[dict[
     return out
 
 
+def _moved(counters: list[tuple[str, str, float]]) -> dict[str, float]:
+    """How far each series moved, over all its label sets."""
+    moved: dict[str, float] = {}
+    for name, _labels, delta in counters:
+        moved[name] = moved.get(name, 0.0) + delta
+    return moved
+
+
+def _by_engine(engines: tuple[tuple[str, ...], ...], moved: dict[str, float]) -> float | None:
+    """A figure counted per engine (schema.TOKENS_BY_ENGINE, OFFLOAD_BY_ENGINE): per engine,
+    its first series the span has, summed over the engines; None when none has one."""
+    got = [next(moved[n] for n in names if n in moved) for names in engines
+           if any(n in moved for n in names)]
+    return sum(got) if got else None
+
+
+def _bytes_per_token(labels: list[str]) -> float | None:
+    """An engine's KV bytes a token from its cache_config_info labels: the cache's budget over
+    its size in tokens; None where no engine says both (or they say different things)."""
+    found = set()
+    for text in labels:
+        try:
+            info = json.loads(text)
+            found.add(int(info["kv_cache_memory_bytes"]) / int(info["kv_cache_size_tokens"]))
+        except (ValueError, KeyError, TypeError, ZeroDivisionError):
+            continue
+    return found.pop() if len(found) == 1 else None
+
+
+def _offload(moved: dict[str, float], bytes_per_token: float | None,
+             phases: dict[str, PhaseStats]) -> Offload:
+    """The engine's offload figures (schema.OFFLOAD_BY_ENGINE) beside its KV caches' files."""
+    hits, queries, hit_bytes = (_by_engine(schema.OFFLOAD_BY_ENGINE[f], moved)
+                                for f in ("hit_tokens", "query_tokens", "hit_bytes"))
+    if hit_bytes is None and hits is not None and bytes_per_token:
+        hit_bytes = hits * bytes_per_token
+    if hits and hit_bytes is not None and bytes_per_token is None:
+        bytes_per_token = hit_bytes / hits
+    read = written = device = 0
+    names: list[str] = []
+    for ph in phases.values():
+        for cache, c in ph["caches"].items():
+            if cache == OTHER:  # (files of no KV cache)
+                continue
+            names.append(cache)
+            read += c["read"]["bytes"]
+            written += c["write"]["bytes"]
+            device += c["read"].get("device_bytes", 0)
+    return {"hit_tokens": hits, "query_tokens": queries, "bytes_per_token": bytes_per_token,
+            "claimed_read_bytes": hit_bytes, "files_read_bytes": read,
+            "files_written_bytes": written, "device_read_bytes": device,
+            "page_cache_hit_pct": _hit_pct(read, device), "caches": sorted(set(names))}
+
+
 def _engine(counters: list[tuple[str, str, float]], total_s: float) -> Engine:
     """The engines' serving figures over the span from how far their counters moved
     (`RowSource.engine_counters`), where their sources give them (None otherwise): mean TTFT
     and inter-token latency, prefix-cache hit share, tokens and the throughput they make."""
-    moved: dict[str, float] = {}
-    for name, _labels, delta in counters:
-        moved[name] = moved.get(name, 0.0) + delta
+    moved = _moved(counters)
     means: dict[str, float | None] = {}
     for figure, pairs in schema.ENGINE_MEANS.items():
         means[figure] = None
@@ -512,11 +570,8 @@ def _engine(counters: list[tuple[str, str, float]], total_s: float) -> Engine:
             if moved.get(den):
                 means[figure] = moved.get(num, 0.0) / moved[den]
                 break
-    tokens: dict[str, float | None] = {}
-    for figure, engines in schema.TOKENS_BY_ENGINE.items():
-        got = [next(moved[n] for n in names if n in moved) for names in engines
-               if any(n in moved for n in names)]
-        tokens[figure] = sum(got) if got else None
+    tokens = {figure: _by_engine(engines, moved)
+              for figure, engines in schema.TOKENS_BY_ENGINE.items()}
     share, gen = means["prefix_cache_hit_share"], tokens["generation_tokens"]
     return {"ttft_s": means["ttft_s"], "itl_s": means["itl_s"],
             "prefix_cache_hit_pct": None if share is None else 100.0 * share,

@@ -252,6 +252,10 @@ class RowSource:
         in the span. A series that went back (an engine restart) is left out."""
         raise NotImplementedError
 
+    def engine_labels(self, name: str, t1: int) -> list[str]:
+        """Per engine, the labels (JSON) of series `name` last stored before t1."""
+        raise NotImplementedError
+
     def phase_tokens(self, t0: int, t1: int) -> list[tuple[str, str, float, float]]:
         """Per phase and source, the prefill and decode tokens of the windows in [t0, t1),
         each window's counts prorated by the share of it inside."""
@@ -444,6 +448,14 @@ class SqlRows(RowSource):
             return []
         return [(n, labels, float(last - base)) for n, labels, base, last, back in rows
                 if not back and base is not None]
+
+    def engine_labels(self, name: str, t1: int) -> list[str]:
+        try:
+            return [labels for (labels,) in self.cur.execute(
+                "SELECT arg_max(labels, ts_ns) FROM engine_metric WHERE name = ? AND ts_ns < ? "
+                "GROUP BY engine ORDER BY engine", [name, int(t1)]).fetchall()]
+        except duckdb.CatalogException:
+            return []
 
     def window_sources(self, t0: int, t1: int) -> list[tuple[str, str, int]]:
         return [(src, engine or "", int(n)) for src, engine, n in self.cur.execute(
@@ -901,6 +913,9 @@ class LiveRows(RowSource):
 
     def engine_counters(self, t0: int, t1: int) -> list[tuple[str, str, float]]:
         return self.sql.engine_counters(t0, t1)
+
+    def engine_labels(self, name: str, t1: int) -> list[str]:
+        return self.sql.engine_labels(name, t1)
 
     def window_sources(self, t0: int, t1: int) -> list[tuple[str, str, int]]:
         return self.sql.window_sources(t0, t1)

@@ -420,7 +420,9 @@ class VllmMetrics(MetricsSource):
     name = "vllm-metrics"
     kind = "vllm"
     default_url = "http://127.0.0.1:8000/metrics"
-    engine_metric_prefixes = ("vllm:kv_offload_", "vllm:simple_kv_offload_")
+    # (cache_config_info: its labels say the KV cache's bytes and tokens, so its bytes a token)
+    engine_metric_prefixes = ("vllm:kv_offload_", "vllm:simple_kv_offload_",
+                              "vllm:cache_config_info")
     family_prefix = "vllm:"
     phase_series = frozenset([*_VLLM_COUNTERS, "vllm:num_requests_running"])
 

@@ -40,6 +40,9 @@ class PhaseSourceKind:
     # (ENGINE_MEANS), figure -> token counters (ENGINE_TOKENS).
     means: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     tokens: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # What the engine says of its KV offload: figure -> counters (OFFLOAD_COUNTS): tokens its
+    # connector supplied and was asked for, and the bytes those hits make.
+    offload: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # (pattern on a command line, role) for the engine's processes (roles.py); `\1` takes
     # the engine's own name for the process.
     roles: tuple[tuple[str, str], ...] = ()
@@ -98,7 +101,10 @@ PHASE_SOURCES: tuple[PhaseSourceKind, ...] = (
                "prefix_cache_hit_share": (("vllm-plugin:prefix_cache_hits_total",
                                            "vllm-plugin:prefix_cache_queries_total"),)},
         tokens={"prompt_tokens": ("vllm-plugin:prompt_tokens_total",),
-                "generation_tokens": ("vllm-plugin:generation_tokens_total",)}),
+                "generation_tokens": ("vllm-plugin:generation_tokens_total",)},
+        offload={"hit_tokens": ("vllm-plugin:external_prefix_cache_hits_total",),
+                 "query_tokens": ("vllm-plugin:external_prefix_cache_queries_total",),
+                 "hit_bytes": ("vllm-plugin:external_prefix_cache_hit_bytes_total",)}),
     PhaseSourceKind(
         "vllm-metrics", "vLLM's Prometheus /metrics, scraped", target="URL",
         default_target="http://127.0.0.1:8000/metrics", label="metrics", rank=2, engine="vllm",
@@ -113,6 +119,8 @@ PHASE_SOURCES: tuple[PhaseSourceKind, ...] = (
                                            "vllm:prefix_cache_queries_total"),)},
         tokens={"prompt_tokens": ("vllm:prompt_tokens_total",),
                 "generation_tokens": ("vllm:generation_tokens_total",)},
+        offload={"hit_tokens": ("vllm:external_prefix_cache_hits_total",),
+                 "query_tokens": ("vllm:external_prefix_cache_queries_total",)},
         roles=((r"^VLLM::EngineCore", "vllm EngineCore"),
                (r"^VLLM::Worker", "vllm worker"),
                (r"^VLLM::APIServer", "vllm API server"),

@@ -103,6 +103,30 @@ def keep_scheduled_times() -> bool:
 PREFIX = "vllm-plugin:"
 
 
+def kv_bytes_per_token(vllm_config: Any) -> int | None:
+    """The bytes of KV cache a token takes in the whole model (all ranks), where vLLM's config
+    says: the cache's budget over its size in tokens, as `vllm:cache_config_info` gives them
+    where the budget was set (`kv_cache_memory_bytes`), else K and V of every layer and KV
+    head in the cache's dtype, over every rank. None where neither can be read (then hits
+    are counted as tokens only)."""
+    try:
+        cache = vllm_config.cache_config
+        budget, size = cache.kv_cache_memory_bytes, cache.kv_cache_size_tokens
+        if isinstance(budget, int) and isinstance(size, int) and budget > 0 and size > 0:
+            return budget // size
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        element = 1 if "fp8" in str(cache.cache_dtype) else \
+            _DTYPE_BYTES[str(model.dtype).removeprefix("torch.")]
+        per_rank = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel)
+                    * model.get_head_size() * element)
+        return int(per_rank * parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+    except Exception:  # noqa: BLE001 - another vLLM, or no vLLM: hits are counted as tokens
+        return None
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
 def _count(obj: Any, name: str) -> int | None:
     """A non-negative integer attribute, or None when it is missing or not a count."""
     v = getattr(obj, name, None)
@@ -139,6 +163,7 @@ class KvprofStatLogger(StatLoggerBase):
         # How far vLLM's counters moved since the last window sent, per engine index: a step
         # that gets no window hands its counts to the next.
         self._moved: dict[int, dict[str, float]] = {}
+        self.kv_bytes_per_token = kv_bytes_per_token(vllm_config)
         keep_scheduled_times()
         # The one line vLLM's log shows at start: what the plugin does and where it sends.
         _log.info("kvprof: a phase window per step of engine %d, timed by vLLM's own "
@@ -176,6 +201,13 @@ class KvprofStatLogger(StatLoggerBase):
         cache = getattr(scheduler_stats, "prefix_cache_stats", None)
         add("prefix_cache_queries_total", _count(cache, "queries") or 0)
         add("prefix_cache_hits_total", _count(cache, "hits") or 0)
+        # The KV connector's: tokens it was asked for and said it had (offload hits).
+        connector = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
+        hits = _count(connector, "hits") or 0
+        add("external_prefix_cache_queries_total", _count(connector, "queries") or 0)
+        add("external_prefix_cache_hits_total", hits)
+        if self.kv_bytes_per_token:
+            add("external_prefix_cache_hit_bytes_total", hits * self.kv_bytes_per_token)
         if iteration_stats is None:
             return
         add("prompt_tokens_total", _count(iteration_stats, "num_prompt_tokens") or 0)

@@ -35,6 +35,10 @@ ELSEWHERE_PCT = 20.0
 SMALL_WRITE_PCT = 10.0
 # Prefix cache: the reads this many more points of hit share would remove.
 HIT_STEP_PCT = 10.0
+# Offload: the KV cache files' reads the page cache served, at least this share, are not
+# device reads; the engine's bytes and its files' differ past this share.
+PAGE_CACHE_PCT = 50.0
+BYTES_DIFFER_PCT = 10.0
 # A phase's own finding rests on at least this many requests of one op: below that there is
 # no p99 to judge by (a file system's journal flushing a few blocks says nothing of storage).
 MIN_IOS = 100
@@ -64,7 +68,8 @@ def _main_op(ph: PhaseStats, least: int = 1) -> tuple[str, str, OpStats] | None:
 
 
 def _little_io(phase: str, ph: PhaseStats) -> Finding:
-    layer, op, e = _main_op(ph)  # type: ignore[misc]  # (the phase has some I/O)
+    _, op, e = _main_op(ph)  # type: ignore[misc]  # (the phase has some I/O)
+    layer = phase_layer(ph)
     at = f"phases.{phase}.{layer}.{op}"
     others = [f"{ph[layer][o]['ios']} {o}s" for o in MAIN_OPS if o != op and ph[layer][o]["ios"]]
     return Finding("little-io", phase, (
@@ -280,9 +285,51 @@ def _writeback(summary: Summary) -> list[Finding]:
     return out
 
 
+def _offload(summary: Summary) -> list[Finding]:
+    """The engine's offload claims held to its KV cache files (the `offload` section)."""
+    o = summary.get("offload")
+    if not o:
+        return []
+    out = []
+    hits, read, written = o["hit_tokens"], o["files_read_bytes"], o["files_written_bytes"]
+    figures = {"offload.files_read_bytes": read, "offload.files_written_bytes": written,
+               "offload.hit_tokens": hits}
+    caches = ", ".join(o["caches"])
+    if o["caches"] and not read and hits:
+        out.append(Finding("offload-never-read", None, (
+            f"the engine says its KV connector supplied {hits:.0f} prompt tokens, but no file "
+            f"of its KV caches ({caches}) was read: the hits came from elsewhere (a memory "
+            "tier, another process) or the files are not the ones traced"), figures))
+    elif written and not read:
+        said = "counted none" if hits is not None else "counts no connector hits here"
+        out.append(Finding("offload-never-read", None, (
+            f"KV cache files ({caches}) were written {human_bytes(written)} and never read "
+            f"back: stores and no loads (the engine {said})"), figures))
+    pct = o["page_cache_hit_pct"]
+    if read and pct is not None and pct >= PAGE_CACHE_PCT:
+        cached = human_bytes(read - o["device_read_bytes"])
+        out.append(Finding("offload-from-page-cache", None, (
+            f"{pct:.0f} % of the KV cache files' reads ({cached} of {human_bytes(read)}) came "
+            "from the page cache, not the device: the offload's "
+            "loads do not show the device (O_DIRECT not in effect, or a cache that fits in "
+            "memory)"), {"offload.files_read_bytes": read,
+                         "offload.device_read_bytes": o["device_read_bytes"],
+                         "offload.page_cache_hit_pct": pct}))
+    claimed = o["claimed_read_bytes"]
+    if claimed and read and abs(read - claimed) > BYTES_DIFFER_PCT / 100 * claimed:
+        out.append(Finding("offload-bytes-differ", None, (
+            f"the engine's offloaded bytes ({human_bytes(claimed)}: {hits or 0:.0f} hit tokens) "
+            f"and its KV cache files' reads ({human_bytes(read)}) differ by "
+            f"{100 * (read - claimed) / claimed:+.0f} %"), {
+                "offload.claimed_read_bytes": claimed, "offload.files_read_bytes": read,
+                "offload.hit_tokens": hits}))
+    return out
+
+
 def findings(summary: Summary) -> list[Finding]:
     """Every finding: per phase in schema.PHASES order (those that took time), then the
     rules across phases."""
     out = [f for p in schema.PHASES if (f := _phase(p, summary["phases"][p])) is not None]
     return (out + _sized_for_one_phase(summary) + _time_split(summary)
-            + _small_writes(summary) + _prefix_cache(summary) + _writeback(summary))
+            + _small_writes(summary) + _prefix_cache(summary) + _writeback(summary)
+            + _offload(summary))

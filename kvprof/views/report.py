@@ -8,7 +8,16 @@ from datetime import datetime, timezone
 from typing import Literal
 
 from kvprof import schema
-from kvprof.summary import DEVICE_LAYERS, LAYERS, Engine, Exact, OpCapacity, Session, Summary
+from kvprof.summary import (
+    DEVICE_LAYERS,
+    LAYERS,
+    Engine,
+    Exact,
+    Offload,
+    OpCapacity,
+    Session,
+    Summary,
+)
 from kvprof.units import engine_parts, human_bytes, human_us, size_label
 from kvprof.views.findings import findings
 
@@ -131,6 +140,7 @@ def to_text(summary: Summary, name: str = "") -> str:
                     f"{human_bytes(wr['bytes']):>11}{wr['bandwidth_bytes_per_s'] / 2**20:>8.1f}"
                     f"{100 * direct:>7.0f}%")
     lines += _engine_lines(summary.get("engine"))
+    lines += _offload_lines(summary.get("offload"))
     lines += _exact_lines(summary.get("exact"))
     lines.insert(3, window_line(s)[:WIDTH])
     for src, problems in s["source_problems"].items():
@@ -184,6 +194,25 @@ def _engine_lines(engine: Engine | None) -> list[str]:
     # Each figure on one line: its spaces masked while wrapping.
     return [""] + _wrap("engine (means over the session): "
                         + ", ".join(x.replace(" ", "\0") for x in parts), "", "  ")
+
+
+def _offload_lines(o: Offload | None) -> list[str]:
+    """The engine's offload claims beside what its KV caches' files did, where either is
+    known."""
+    if not o or (o["hit_tokens"] is None and not o["caches"]):
+        return []
+    said = "the engine counted no connector" if o["hit_tokens"] is None else (
+        f"the engine says its KV connector supplied {o['hit_tokens']:.0f} of "
+        f"{o['query_tokens'] or 0:.0f} prompt tokens asked for"
+        + ("" if o["claimed_read_bytes"] is None else
+           f" ({human_bytes(o['claimed_read_bytes'])} at "
+           f"{human_bytes(o['bytes_per_token'] or 0)} a token)"))
+    files = (f"its KV cache files ({', '.join(o['caches'])}) were read "
+             f"{human_bytes(o['files_read_bytes'])}, "
+             f"{human_bytes(o['device_read_bytes'])} of it from the device, and written "
+             f"{human_bytes(o['files_written_bytes'])}" if o["caches"] else
+             "no KV cache files were traced (record with --layer syscall and --cache)")
+    return [""] + _wrap(f"offload: {said}; {files}", "", "  ")
 
 
 def _achieved(o: OpCapacity, key: Literal["achieved", "capability"] = "achieved") -> str:

@@ -120,6 +120,7 @@ def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ex
                              "--phases", "vllm-plugin", socket=server.marks_socket)
         s0 = settle(loopdev)
         external_before = external_tokens(server)
+        m0 = server.metrics()
         prompt = vllm_server.make_prompt(1200, 11)
         first = server.complete(0, 16, prompt=prompt)
         server.post("/reset_prefix_cache")
@@ -127,6 +128,7 @@ def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ex
         again = server.complete(0, 16, prompt=prompt + " " + vllm_server.make_prompt(40, 12))
         time.sleep(0.5)
         external_after = external_tokens(server)
+        m1 = server.metrics()
         os.sync()
         s1 = settle(loopdev)
         assert rec.stop() == 0, "".join(rec.stderr_lines)
@@ -170,6 +172,19 @@ def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ex
         con.close()
     assert "vllm-fs-tier" not in report["phases"]["prefill"].get("writeback", {}).get(
         "caches", {})
+    # The engine's offload claims beside its files: the plugin's count of the connector's
+    # hits is the engine's own; those hits at the engine's KV bytes a token are the bytes the
+    # connector read back, and the files' read calls, all from the device.
+    off = report["offload"]
+    print(f"offload section: {off}")
+    read_back = sum(b["bytes"] for b in loads)
+    hits = m1["vllm:external_prefix_cache_hits_total"] - m0["vllm:external_prefix_cache_hits_total"]
+    assert off["hit_tokens"] == hits == loaded
+    assert off["claimed_read_bytes"] == read_back == off["files_read_bytes"]
+    assert off["device_read_bytes"] == read_back and off["page_cache_hit_pct"] == 0.0
+    assert off["caches"] == ["vllm-fs-tier"]
+    assert not {f["rule"] for f in report["findings"]} & {
+        "offload-never-read", "offload-from-page-cache", "offload-bytes-differ"}
     # The device: what the kernel counted from attach on, in bytes, is kvprof's exact count.
     assert_device_is_diskstats(report, s0, s1)
     replay_on_another_filesystem(rec.out, loopdev2, tmp_path, want, "vllm-fs-tier")

@@ -413,3 +413,49 @@ def test_one_reader_at_a_time_is_latency_bound_and_four_side_by_side_are_not(
     bw = {p: report["phases"][p]["block"]["read"]["bandwidth_bytes_per_s"]
           for p in ("prefill", "decode")}
     assert bw["decode"] >= 2.5 * bw["prefill"], bw
+
+
+# -- the engine's offload claims against its KV cache files, on summaries built by hand --------
+
+def offload(hits: float | None, read: int, written: int, device: int,
+            per_token: float | None = 2048.0) -> dict:
+    r = json.loads(GOLDEN.read_text())
+    r.pop("findings")
+    r["offload"] = {"hit_tokens": hits, "query_tokens": hits,
+                    "bytes_per_token": per_token if hits is not None else None,
+                    "claimed_read_bytes": None if hits is None or per_token is None
+                    else hits * per_token,
+                    "files_read_bytes": read, "files_written_bytes": written,
+                    "device_read_bytes": device,
+                    "page_cache_hit_pct": 100 * (1 - device / read) if read else None,
+                    "caches": ["lmcache-disk"]}
+    return r
+
+
+def offload_findings(summary: dict) -> dict[str, dict]:
+    report = {**summary, "findings": [f.as_dict() for f in findings(summary)]}
+    return {rule: f for (rule, _), f in found(report).items() if rule.startswith("offload")}
+
+
+def test_offload_findings_name_each_failure_with_its_figures():
+    mib = 1 << 20
+    # Healthy: 512 hit tokens at 2 KiB read back as 1 MiB, all from the device.
+    assert offload_findings(offload(512, mib, mib, mib)) == {}
+    # Stored and never loaded (LMCache#2205, sglang#26886).
+    f = offload_findings(offload(0, 0, 4 * mib, 0))["offload-never-read"]
+    assert f["text"] == ("KV cache files (lmcache-disk) were written 4.0 MiB and never read "
+                         "back: stores and no loads (the engine counted none)")
+    # Hits the engine counts, but no cache file read: served from somewhere else.
+    f = offload_findings(offload(512, 0, 4 * mib, 0))["offload-never-read"]
+    assert f["text"].startswith("the engine says its KV connector supplied 512 prompt tokens")
+    # O_DIRECT asked for and not in effect (LMCache#1522): reads from the page cache.
+    f = offload_findings(offload(512, mib, mib, mib // 4))["offload-from-page-cache"]
+    assert f["text"].startswith("75 % of the KV cache files' reads (768.0 KiB of 1.0 MiB)")
+    assert f["figures"]["offload.page_cache_hit_pct"] == 75.0
+    assert "offload-from-page-cache" not in offload_findings(offload(512, mib, mib, mib // 2 + 1))
+    # The engine's bytes and the files' apart by more than 10 %, and not by 10 %.
+    f = offload_findings(offload(512, 2 * mib, 2 * mib, 2 * mib))["offload-bytes-differ"]
+    assert "differ by +100 %" in f["text"]
+    assert offload_findings(offload(512, int(1.1 * mib), mib, int(1.1 * mib))) == {}
+    # No claims and no files: nothing to say.
+    assert offload_findings(offload(None, 0, 0, 0)) == {}
