@@ -1,7 +1,7 @@
 """Human-readable numbers shared by every view (report, findings, TUI)."""
 from __future__ import annotations
 
-from kvprof.summary import Engine
+from kvprof.summary import Engine, Offload
 
 
 def human_bytes(n: float) -> str:
@@ -45,3 +45,22 @@ def engine_parts(engine: Engine | None) -> list[str]:
     if engine.get("throughput_tokens_per_s") is not None:
         parts.append(f"{engine['throughput_tokens_per_s']:,.0f} tokens/s generated")
     return parts
+
+
+def offload_sentence(o: Offload | None) -> str | None:
+    """The engine's offload claims beside what its KV caches' files did, in a sentence;
+    None where neither is known."""
+    if not o or (o["hit_tokens"] is None and not o["caches"]):
+        return None
+    said = "the engine counted no connector" if o["hit_tokens"] is None else (
+        f"the engine says its KV connector supplied {o['hit_tokens']:.0f} of "
+        f"{o['query_tokens'] or 0:.0f} prompt tokens asked for"
+        + ("" if o["claimed_read_bytes"] is None else
+           f" ({human_bytes(o['claimed_read_bytes'])} at "
+           f"{human_bytes(o['bytes_per_token'] or 0)} a token)"))
+    files = (f"its KV cache files ({', '.join(o['caches'])}) were read "
+             f"{human_bytes(o['files_read_bytes'])}, "
+             f"{human_bytes(o['device_read_bytes'])} of it from the device, and written "
+             f"{human_bytes(o['files_written_bytes'])}" if o["caches"] else
+             "no KV cache files were traced (record with --layer syscall and --cache)")
+    return f"offload: {said}; {files}"

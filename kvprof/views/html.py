@@ -20,7 +20,7 @@ from kvprof import schema
 from kvprof.analysis.correlate import MAIN_OPS, device_layer, phase_layer
 from kvprof.errors import EX_USAGE, KvprofError
 from kvprof.summary import Summary
-from kvprof.units import engine_parts, human_bytes, human_us, size_label
+from kvprof.units import engine_parts, human_bytes, human_us, offload_sentence, size_label
 from kvprof.views.findings import findings
 from kvprof.views.report import window_line
 
@@ -110,6 +110,9 @@ def _phase_table(page: _Page, summary: Summary) -> None:
     engine = engine_parts(summary.get("engine"))
     if engine:
         page.add(f"<p>engine (means over the session): {html.escape(', '.join(engine))}</p>")
+    offload = offload_sentence(summary.get("offload"))
+    if offload:
+        page.add(f"<p>{html.escape(offload)}</p>")
 
 
 def _findings(page: _Page, summary: Summary) -> None:

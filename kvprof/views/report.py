@@ -18,7 +18,7 @@ from kvprof.summary import (
     Session,
     Summary,
 )
-from kvprof.units import engine_parts, human_bytes, human_us, size_label
+from kvprof.units import engine_parts, human_bytes, human_us, offload_sentence, size_label
 from kvprof.views.findings import findings
 
 WIDTH = 80
@@ -197,22 +197,8 @@ def _engine_lines(engine: Engine | None) -> list[str]:
 
 
 def _offload_lines(o: Offload | None) -> list[str]:
-    """The engine's offload claims beside what its KV caches' files did, where either is
-    known."""
-    if not o or (o["hit_tokens"] is None and not o["caches"]):
-        return []
-    said = "the engine counted no connector" if o["hit_tokens"] is None else (
-        f"the engine says its KV connector supplied {o['hit_tokens']:.0f} of "
-        f"{o['query_tokens'] or 0:.0f} prompt tokens asked for"
-        + ("" if o["claimed_read_bytes"] is None else
-           f" ({human_bytes(o['claimed_read_bytes'])} at "
-           f"{human_bytes(o['bytes_per_token'] or 0)} a token)"))
-    files = (f"its KV cache files ({', '.join(o['caches'])}) were read "
-             f"{human_bytes(o['files_read_bytes'])}, "
-             f"{human_bytes(o['device_read_bytes'])} of it from the device, and written "
-             f"{human_bytes(o['files_written_bytes'])}" if o["caches"] else
-             "no KV cache files were traced (record with --layer syscall and --cache)")
-    return [""] + _wrap(f"offload: {said}; {files}", "", "  ")
+    text = offload_sentence(o)
+    return [] if text is None else [""] + _wrap(text, "", "  ")
 
 
 def _achieved(o: OpCapacity, key: Literal["achieved", "capability"] = "achieved") -> str:

@@ -48,3 +48,17 @@ def test_the_shape_check_fails_a_renamed_or_missing_key_and_a_wrong_type():
             check(r, Report)
         assert why in str(e.value)
     assert ph["block"]["read"]["ios"] > 0  # (the sample does have reads to break)
+
+
+def test_the_offload_line_puts_the_engines_claims_beside_its_files():
+    from kvprof.units import offload_sentence
+
+    o = {"hit_tokens": 1152.0, "query_tokens": 2440.0, "bytes_per_token": 3072.0,
+         "claimed_read_bytes": 3538944.0, "files_read_bytes": 3538944,
+         "files_written_bytes": 3538944, "device_read_bytes": 3538944,
+         "page_cache_hit_pct": 0.0, "caches": ["vllm-fs-tier"]}
+    assert offload_sentence(o) == (
+        "offload: the engine says its KV connector supplied 1152 of 2440 prompt tokens asked "
+        "for (3.4 MiB at 3.0 KiB a token); its KV cache files (vllm-fs-tier) were read "
+        "3.4 MiB, 3.4 MiB of it from the device, and written 3.4 MiB")
+    assert offload_sentence({**o, "hit_tokens": None, "caches": []}) is None
