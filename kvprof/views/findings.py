@@ -39,9 +39,9 @@ HIT_STEP_PCT = 10.0
 # device reads; the engine's bytes and its files' differ past this share.
 PAGE_CACHE_PCT = 50.0
 BYTES_DIFFER_PCT = 10.0
-# A phase's own finding rests on at least this many requests of one op: below that there is
-# no p99 to judge by (a file system's journal flushing a few blocks says nothing of storage).
-MIN_IOS = 100
+# A phase's own finding rests on at least this many requests of one op: fewer are incidental
+# (a file system's journal flushing a few blocks, a log line), not a workload to size for.
+MIN_IOS = 32
 
 
 @dataclass(frozen=True)

@@ -112,20 +112,20 @@ def judged(summary: dict, phase: str = "prefill") -> dict:
 
 def test_a_few_requests_are_too_few_to_judge_the_storage_by():
     """Four 4 KiB writes in 12 s of decode (a journal's flushes) on an idle device: no claim
-    about what limits decode, only how little it did; 100 requests are enough."""
+    about what limits decode, only how little it did; 32 requests are enough."""
     f = judged(by_hand("decode", "write", size=4096, ios=4, time_s=12.0, idle=100.0,
                        depth=1.0), "decode")
     assert (f["rule"], f["text"]) == ("little-io", (
         "decode: little storage I/O, 4 writes (16.0 KiB) in 12.0 s: too few requests "
-        "(under 100) to judge the storage by"))
-    assert judged(by_hand("decode", "write", size=4096, ios=100, time_s=12.0, idle=100.0,
+        "(under 32) to judge the storage by"))
+    assert judged(by_hand("decode", "write", size=4096, ios=32, time_s=12.0, idle=100.0,
                           depth=1.0), "decode")["rule"] == "latency-bound"
     # The op with enough requests is judged, though another moved more bytes in fewer.
     summary = by_hand("decode", "write", size=4096, ios=5000, time_s=12.0, idle=99.0,
                       depth=1.0)
     summary["phases"]["decode"]["block"]["read"].update(
-        ios=50, bytes=50 << 20, bandwidth_bytes_per_s=(50 << 20) / 12.0, iops=50 / 12.0,
-        size_hist={str(1 << 20): 50})
+        ios=20, bytes=20 << 20, bandwidth_bytes_per_s=(20 << 20) / 12.0, iops=20 / 12.0,
+        size_hist={str(1 << 20): 20})
     f = judged(summary, "decode")
     assert f["rule"] == "latency-bound" and f["text"].startswith("decode writes")
 
