@@ -126,6 +126,9 @@ class PhaseEngine(TypedDict):
     prefill_tokens: float | None
     decode_tokens: float | None
     tokens_per_s: float | None
+    # Prompt tokens the engine's KV connector supplied in the phase's steps, where a hook
+    # counted them per step (None: no source did).
+    offload_hit_tokens: float | None
 
 
 class PhaseStats(TypedDict):

@@ -213,6 +213,12 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
         idle = _idle_from_exact(idle, exact)
     capacity = _capacity(ops, times, info.devices)
     phase_engine = _phase_engine(rows.phase_tokens(t0, t1), times, mixed)
+    # The connector's hits each step's window carried, in the phase holding that step's end.
+    exact_hits = [n for names in schema.OFFLOAD_BY_ENGINE["hit_tokens"] for n in names
+                  if n in schema.MARK_SERIES]
+    supplied = _at_window_ends(rows.counter_steps(exact_hits, t0, t1), ws, we, wp)
+    for p in schema.PHASES:
+        phase_engine[p]["offload_hit_tokens"] = supplied.get(p, 0.0) if supplied else None
     counters = rows.engine_counters(t0, t1)
     phases: dict[str, PhaseStats] = {}
     for p in schema.PHASES:
@@ -504,6 +510,18 @@ def _capacity(ops: LayerOpsByPhase, times: dict[str, float], devices: list[dict[
     return out
 
 
+def _at_window_ends(steps: list[tuple[int, float]], ws: np.ndarray, we: np.ndarray,
+                    wp: np.ndarray) -> dict[str, float]:
+    """Counter steps stamped at the end of the window they belong to (a hook's), summed per
+    phase of the piece holding the instant before (idle outside every window); {} for none."""
+    out: dict[str, float] = {}
+    for ts, delta in steps:
+        i = int(np.searchsorted(ws, ts - 1, side="right")) - 1
+        p = str(wp[i]) if i >= 0 and we[i] > ts - 1 else "idle"
+        out[p] = out.get(p, 0.0) + delta
+    return out
+
+
 def _moved(counters: list[tuple[str, str, float]]) -> dict[str, float]:
     """How far each series moved, over all its label sets."""
     moved: dict[str, float] = {}
@@ -587,8 +605,8 @@ def _phase_engine(tokens: list[tuple[str, str, float, float]], times: dict[str, 
     most exact source that counted any. With --mixed split, a mixed window's prefill tokens
     go to prefill, its decode tokens to decode, as its time does."""
     out: dict[str, PhaseEngine] = {
-        p: {"prefill_tokens": None, "decode_tokens": None, "tokens_per_s": None}
-        for p in schema.PHASES}
+        p: {"prefill_tokens": None, "decode_tokens": None, "tokens_per_s": None,
+            "offload_hit_tokens": None} for p in schema.PHASES}
     counted: dict[tuple[str, str], list[float]] = {}
     for p, source, prefill, decode in tokens:
         parts = ([("prefill", prefill, 0), ("decode", 0, decode)]
@@ -605,7 +623,8 @@ def _phase_engine(tokens: list[tuple[str, str, float, float]], times: dict[str, 
     for p, (_, prefill, decode) in best.items():
         t = times[p]
         out[p] = {"prefill_tokens": prefill, "decode_tokens": decode,
-                  "tokens_per_s": (prefill + decode) / t if t > 0 else None}
+                  "tokens_per_s": (prefill + decode) / t if t > 0 else None,
+                  "offload_hit_tokens": None}
     return out
 
 

@@ -256,6 +256,11 @@ class RowSource:
         """Per engine, the labels (JSON) of series `name` last stored before t1."""
         raise NotImplementedError
 
+    def counter_steps(self, names: list[str], t0: int, t1: int) -> list[tuple[int, float]]:
+        """(ts, how far it moved since the series' previous row) for each row in [t0, t1) of
+        the counter series `names`, per label set; a series that went back is left out."""
+        raise NotImplementedError
+
     def phase_tokens(self, t0: int, t1: int) -> list[tuple[str, str, float, float]]:
         """Per phase and source, the prefill and decode tokens of the windows in [t0, t1),
         each window's counts prorated by the share of it inside."""
@@ -448,6 +453,21 @@ class SqlRows(RowSource):
             return []
         return [(n, labels, float(last - base)) for n, labels, base, last, back in rows
                 if not back and base is not None]
+
+    def counter_steps(self, names: list[str], t0: int, t1: int) -> list[tuple[int, float]]:
+        if not names:
+            return []
+        try:
+            return [(int(ts), float(d)) for ts, d in self.cur.execute(f"""
+                SELECT ts_ns, value - prev FROM (
+                    SELECT ts_ns, value, lag(value) OVER (PARTITION BY name, labels
+                                                          ORDER BY ts_ns) AS prev
+                    FROM engine_metric WHERE name IN ({", ".join("?" for _ in names)})
+                      AND ts_ns < ?)
+                WHERE ts_ns >= ? AND value > prev ORDER BY ts_ns""",
+                [*names, int(t1), int(t0)]).fetchall()]
+        except duckdb.CatalogException:
+            return []
 
     def engine_labels(self, name: str, t1: int) -> list[str]:
         try:
@@ -916,6 +936,9 @@ class LiveRows(RowSource):
 
     def engine_labels(self, name: str, t1: int) -> list[str]:
         return self.sql.engine_labels(name, t1)
+
+    def counter_steps(self, names: list[str], t0: int, t1: int) -> list[tuple[int, float]]:
+        return self.sql.counter_steps(names, t0, t1)
 
     def window_sources(self, t0: int, t1: int) -> list[tuple[str, str, int]]:
         return self.sql.window_sources(t0, t1)

@@ -183,6 +183,9 @@ def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ex
     assert off["claimed_read_bytes"] == read_back == off["files_read_bytes"]
     assert off["device_read_bytes"] == read_back and off["page_cache_hit_pct"] == 0.0
     assert off["caches"] == ["vllm-fs-tier"]
+    # Per phase, by the step that carried them: all in the prefill that loaded them.
+    assert {p: report["phases"][p]["engine"]["offload_hit_tokens"] for p in schema.PHASES} == \
+        {"prefill": loaded, "decode": 0.0, "mixed": 0.0, "idle": 0.0}
     assert not {f["rule"] for f in report["findings"]} & {
         "offload-never-read", "offload-from-page-cache", "offload-bytes-differ"}
     # The device: what the kernel counted from attach on, in bytes, is kvprof's exact count.
