@@ -343,8 +343,10 @@ class Recorder:
         parts = self._parts
         capture = parts.capture
         with self._writing():
-            capture.stop()
+            # The session ends where tracing starts to stop: detaching takes up to seconds,
+            # in which the phase sources would go on counting what the probes no longer see.
             end_ns = time.monotonic_ns()
+            capture.stop()
             for src in self._feeds:
                 src.stop(end_ns)
             drain(self._store, capture, self._feeds, self.book, self.exporter, closed=True)
