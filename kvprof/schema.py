@@ -243,10 +243,6 @@ SOURCE_RANK = {s.label: s.rank for s in PHASE_SOURCES if s.label and s.rank is n
 # series per engine, the first pair a session has is used: a mean is delta sum / delta count,
 # a hit share delta hits / delta queries, over the span asked for.
 ENGINE_MEANS = _merged(s.means for s in PHASE_SOURCES)
-# Token counters: the session's generated tokens a second (its throughput).
-ENGINE_TOKENS = _merged(s.tokens for s in PHASE_SOURCES)
-# What the engines say of their KV offload: figure -> counters, as ENGINE_TOKENS.
-OFFLOAD_COUNTS = _merged(s.offload for s in PHASE_SOURCES)
 
 
 def _by_engine(counts: str) -> dict[str, tuple[tuple[str, ...], ...]]:
@@ -262,6 +258,8 @@ def _by_engine(counts: str) -> dict[str, tuple[tuple[str, ...], ...]]:
         for figure in figures}
 
 
+# Token counters (the session's tokens, and generated tokens a second: its throughput), and
+# what the engines say of their KV offload (tokens the connector supplied, was asked for).
 TOKENS_BY_ENGINE = _by_engine("tokens")
 OFFLOAD_BY_ENGINE = _by_engine("offload")
 

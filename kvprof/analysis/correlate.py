@@ -212,13 +212,12 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
         ops = _ops_from_exact(ops, exact, times, sampling, weighted)
         idle = _idle_from_exact(idle, exact)
     capacity = _capacity(ops, times, info.devices)
-    phase_engine = _phase_engine(rows.phase_tokens(t0, t1), times, mixed)
     # The connector's hits each step's window carried, in the phase holding that step's end.
     exact_hits = [n for names in schema.OFFLOAD_BY_ENGINE["hit_tokens"] for n in names
                   if n in schema.MARK_SERIES]
-    supplied = _at_window_ends(rows.counter_steps(exact_hits, t0, t1), ws, we, wp)
-    for p in schema.PHASES:
-        phase_engine[p]["offload_hit_tokens"] = supplied.get(p, 0.0) if supplied else None
+    phase_engine = _phase_engine(
+        rows.phase_tokens(t0, t1), times, mixed,
+        _at_window_ends(rows.counter_steps(exact_hits, t0, t1), ws, we, wp))
     counters = rows.engine_counters(t0, t1)
     phases: dict[str, PhaseStats] = {}
     for p in schema.PHASES:
@@ -530,7 +529,8 @@ def _moved(counters: list[tuple[str, str, float]]) -> dict[str, float]:
     return moved
 
 
-def _by_engine(engines: tuple[tuple[str, ...], ...], moved: dict[str, float]) -> float | None:
+def _over_engines(engines: tuple[tuple[str, ...], ...], moved: dict[str, float]
+                  ) -> float | None:
     """A figure counted per engine (schema.TOKENS_BY_ENGINE, OFFLOAD_BY_ENGINE): per engine,
     its first series the span has, summed over the engines; None when none has one."""
     got = [next(moved[n] for n in names if n in moved) for names in engines
@@ -554,7 +554,7 @@ def _bytes_per_token(labels: list[str]) -> float | None:
 def _offload(moved: dict[str, float], bytes_per_token: float | None,
              phases: dict[str, PhaseStats]) -> Offload:
     """The engine's offload figures (schema.OFFLOAD_BY_ENGINE) beside its KV caches' files."""
-    hits, queries, hit_bytes = (_by_engine(schema.OFFLOAD_BY_ENGINE[f], moved)
+    hits, queries, hit_bytes = (_over_engines(schema.OFFLOAD_BY_ENGINE[f], moved)
                                 for f in ("hit_tokens", "query_tokens", "hit_bytes"))
     if hit_bytes is None and hits is not None and bytes_per_token:
         hit_bytes = hits * bytes_per_token
@@ -588,7 +588,7 @@ def _engine(counters: list[tuple[str, str, float]], total_s: float) -> Engine:
             if moved.get(den):
                 means[figure] = moved.get(num, 0.0) / moved[den]
                 break
-    tokens = {figure: _by_engine(engines, moved)
+    tokens = {figure: _over_engines(engines, moved)
               for figure, engines in schema.TOKENS_BY_ENGINE.items()}
     share, gen = means["prefix_cache_hit_share"], tokens["generation_tokens"]
     return {"ttft_s": means["ttft_s"], "itl_s": means["itl_s"],
@@ -599,14 +599,16 @@ def _engine(counters: list[tuple[str, str, float]], total_s: float) -> Engine:
 
 
 def _phase_engine(tokens: list[tuple[str, str, float, float]], times: dict[str, float],
-                  mixed: str) -> dict[str, PhaseEngine]:
+                  mixed: str, supplied: dict[str, float]) -> dict[str, PhaseEngine]:
     """Per phase, the tokens its windows counted (`RowSource.phase_tokens`) and their rate.
     Several sources count the same tokens (marks and an engine's metrics): per phase, the
     most exact source that counted any. With --mixed split, a mixed window's prefill tokens
-    go to prefill, its decode tokens to decode, as its time does."""
+    go to prefill, its decode tokens to decode, as its time does. `supplied`: the KV
+    connector's hits per phase, where a hook counted them ({}: none did)."""
     out: dict[str, PhaseEngine] = {
         p: {"prefill_tokens": None, "decode_tokens": None, "tokens_per_s": None,
-            "offload_hit_tokens": None} for p in schema.PHASES}
+            "offload_hit_tokens": supplied.get(p, 0.0) if supplied else None}
+        for p in schema.PHASES}
     counted: dict[tuple[str, str], list[float]] = {}
     for p, source, prefill, decode in tokens:
         parts = ([("prefill", prefill, 0), ("decode", 0, decode)]
@@ -624,7 +626,7 @@ def _phase_engine(tokens: list[tuple[str, str, float, float]], times: dict[str, 
         t = times[p]
         out[p] = {"prefill_tokens": prefill, "decode_tokens": decode,
                   "tokens_per_s": (prefill + decode) / t if t > 0 else None,
-                  "offload_hit_tokens": None}
+                  "offload_hit_tokens": out[p]["offload_hit_tokens"]}
     return out
 
 

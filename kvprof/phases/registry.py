@@ -37,10 +37,10 @@ class PhaseSourceKind:
     label: str | None = None
     rank: int | None = None
     # Engine figures its counters give: figure -> (numerator, denominator) series pairs
-    # (ENGINE_MEANS), figure -> token counters (ENGINE_TOKENS).
+    # (ENGINE_MEANS), figure -> token counters (TOKENS_BY_ENGINE).
     means: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     tokens: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    # What the engine says of its KV offload: figure -> counters (OFFLOAD_COUNTS): tokens its
+    # What the engine says of its KV offload: figure -> counters (OFFLOAD_BY_ENGINE): tokens its
     # connector supplied and was asked for, and the bytes those hits make.
     offload: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # (pattern on a command line, role) for the engine's processes (roles.py); `\1` takes

@@ -67,8 +67,9 @@ def _main_op(ph: PhaseStats, least: int = 1) -> tuple[str, str, OpStats] | None:
     return layer, op, e
 
 
-def _little_io(phase: str, ph: PhaseStats) -> Finding:
-    _, op, e = _main_op(ph)  # type: ignore[misc]  # (the phase has some I/O)
+def _little_io(phase: str, ph: PhaseStats, main: tuple[str, str, OpStats]) -> Finding:
+    """A phase whose ops all have fewer than MIN_IOS requests; `main`: its `_main_op`."""
+    _, op, e = main
     layer = phase_layer(ph)
     at = f"phases.{phase}.{layer}.{op}"
     others = [f"{ph[layer][o]['ios']} {o}s" for o in MAIN_OPS if o != op and ph[layer][o]["ios"]]
@@ -84,12 +85,13 @@ def _phase(phase: str, ph: PhaseStats) -> Finding | None:
     if ph["time_s"] <= 0:
         return None
     base = f"phases.{phase}"
-    if _main_op(ph) is None:
+    some = _main_op(ph)
+    if some is None:
         return Finding("no-io", phase, f"{phase}: no storage I/O in {ph['time_s']:.1f} s",
                        {f"{base}.time_s": ph["time_s"]})
     found = _main_op(ph, MIN_IOS)
     if found is None:
-        return _little_io(phase, ph)
+        return _little_io(phase, ph, some)
     layer, op, e = found
     at = f"{base}.{layer}.{op}"
     idle = ph["block"].get("time_idle_pct")
