@@ -194,20 +194,23 @@ class KvprofStatLogger(StatLoggerBase):
         pending counters (series of the registry's `vllm-plugin` entry)."""
         moved = self._moved.setdefault(engine_idx, {})
 
-        def add(name: str, amount: float) -> None:
-            if amount:
+        def add(name: str, amount: float, keep: bool = False) -> None:
+            """`keep`: carried even at zero (no hits out of queries asked is a count)."""
+            if amount or keep:
                 moved[PREFIX + name] = moved.get(PREFIX + name, 0.0) + amount
 
         cache = getattr(scheduler_stats, "prefix_cache_stats", None)
-        add("prefix_cache_queries_total", _count(cache, "queries") or 0)
-        add("prefix_cache_hits_total", _count(cache, "hits") or 0)
+        asked = _count(cache, "queries") or 0
+        add("prefix_cache_queries_total", asked)
+        add("prefix_cache_hits_total", _count(cache, "hits") or 0, keep=asked > 0)
         # The KV connector's: tokens it was asked for and said it had (offload hits).
         connector = getattr(scheduler_stats, "connector_prefix_cache_stats", None)
-        hits = _count(connector, "hits") or 0
-        add("external_prefix_cache_queries_total", _count(connector, "queries") or 0)
-        add("external_prefix_cache_hits_total", hits)
+        hits, asked = _count(connector, "hits") or 0, _count(connector, "queries") or 0
+        add("external_prefix_cache_queries_total", asked)
+        add("external_prefix_cache_hits_total", hits, keep=asked > 0)
         if self.kv_bytes_per_token:
-            add("external_prefix_cache_hit_bytes_total", hits * self.kv_bytes_per_token)
+            add("external_prefix_cache_hit_bytes_total", hits * self.kv_bytes_per_token,
+                keep=asked > 0)
         if iteration_stats is None:
             return
         add("prompt_tokens_total", _count(iteration_stats, "num_prompt_tokens") or 0)

@@ -303,10 +303,14 @@ def _offload(summary: Summary) -> list[Finding]:
             f"of its KV caches ({caches}) was read: the hits came from elsewhere (a memory "
             "tier, another process) or the files are not the ones traced"), figures))
     elif written and not read:
-        said = "counted none" if hits is not None else "counts no connector hits here"
+        queries = o["query_tokens"]
+        said = ("the engine counts no connector hits here" if hits is None else
+                f"its KV connector had none of the {queries:.0f} prompt tokens it was asked for"
+                if queries else "the engine counted no connector hits")
         out.append(Finding("offload-never-read", None, (
             f"KV cache files ({caches}) were written {human_bytes(written)} and never read "
-            f"back: stores and no loads (the engine {said})"), figures))
+            f"back: stores and no loads ({said})"),
+            {**figures, "offload.query_tokens": queries}))
     pct = o["page_cache_hit_pct"]
     if read and pct is not None and pct >= PAGE_CACHE_PCT:
         cached = human_bytes(read - o["device_read_bytes"])

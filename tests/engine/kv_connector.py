@@ -92,18 +92,23 @@ class LmcacheDisk:
     their files (its `max_local_disk_size`). The connector waits at the engine's save point for
     LMCache's puts to finish (LMCache's own connector does not wait, and its writes land in the
     steps after); LMCache keeps its index in memory, so a chunk is loaded only by the worker that
-    stored it."""
+    stored it.
+
+    `odirect`: LMCache's `use_odirect` (its files opened O_DIRECT where a chunk is a multiple of
+    the file system's block); its CPU objects then come from a pool aligned to 4 KiB, as its
+    pinned pools are on a GPU host (O_DIRECT needs aligned buffers: the ad hoc allocator's fail
+    with EINVAL)."""
 
     cache = "lmcache-disk"
-    direct = False
 
     def __init__(self, root: str, model: str, block_size: int, readers: int = 4,
-                 disk_gb: float = 4.0) -> None:
+                 disk_gb: float = 4.0, odirect: bool = False) -> None:
         import asyncio
 
         from lmcache.utils import CacheEngineKey
         from lmcache.v1.config import LMCacheEngineConfig
         from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
+        from lmcache.v1.memory_allocators.tensor_memory_allocator import TensorMemoryAllocator
         from lmcache.v1.memory_management import MemoryFormat
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
         from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
@@ -111,12 +116,18 @@ class LmcacheDisk:
         os.makedirs(root, exist_ok=True)
         config = LMCacheEngineConfig.from_defaults(
             chunk_size=block_size, local_cpu=False, local_disk=root,
-            max_local_disk_size=disk_gb, extra_config={"disk_io_threads": readers})
+            max_local_disk_size=disk_gb,
+            extra_config={"disk_io_threads": readers, "use_odirect": odirect})
+        self.direct = odirect
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="lmcache-loop",
                          daemon=True).start()
-        cpu = LocalCPUBackend(config, memory_allocator=AdHocMemoryAllocator("cpu"),
-                              dst_device="cpu")
+        if odirect:
+            self._pool = mmap.mmap(-1, 1 << 30)  # page-aligned, touched as used
+            allocator = TensorMemoryAllocator(torch.frombuffer(self._pool, dtype=torch.uint8))
+        else:
+            allocator = AdHocMemoryAllocator("cpu")
+        cpu = LocalCPUBackend(config, memory_allocator=allocator, dst_device="cpu")
         self._disk = LocalDiskBackend(config, self._loop, cpu, dst_device="cpu")
         self._cpu = cpu
         self._key = lambda k: CacheEngineKey(model.replace("/", "-"), 1, 0,
@@ -179,6 +190,9 @@ class KvprofTestConnector(KVConnectorBase_V1):
         self._backend = BACKENDS[extra.get("backend", "fs")](
             extra["root"], vllm_config.model_config.served_model_name or "model", self._bs,
             **extra.get("options", {}))
+        # `loads: false`: a connector that stores and never finds what it stored (a lookup
+        # that always misses), the failure offload-never-read names.
+        self._loads = extra.get("loads", True)
         self._log_path = extra["log"]
         self._log_lock = threading.Lock()
         # scheduler side
@@ -199,7 +213,7 @@ class KvprofTestConnector(KVConnectorBase_V1):
         most = (len(prompt) - 1) // self._bs
         keys = block_keys(prompt, self._bs, most)
         hit = 0
-        while hit < most and self._backend.has(keys[hit]):
+        while self._loads and hit < most and self._backend.has(keys[hit]):
             hit += 1
         self._stored[request.request_id] = hit
         return max(0, hit * self._bs - num_computed_tokens), False

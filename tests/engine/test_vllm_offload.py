@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import duckdb
+import pytest
 
 from kvprof import schema
 from kvprof.analysis.correlate import summarize
@@ -193,6 +194,127 @@ def test_fs_tier_stores_in_prefill_and_loads_in_the_step_that_waited(loopdev, ex
     replay_on_another_filesystem(rec.out, loopdev2, tmp_path, want, "vllm-fs-tier")
 
 
+def stored_then_asked_again(tmp_path: Path, root: Path, backend: str, dev: str,
+                            start_recorder, name: str, loads: bool = True,
+                            between=None, **options) -> dict:
+    """The real vLLM with the tests' connector over `backend`: recorded (block and syscall
+    layers, the plugin's windows), a prompt stored, the engine's own prefix cache dropped, and
+    the same prefix with a new tail asked again (loaded back where the connector loads);
+    `between(files)` runs in between with the cache files the first request wrote. Returns the report, the connector's batches, vLLM's counters, the device's diskstats
+    across the recording, and the bytes of the cache files that appeared meanwhile."""
+    work = tmp_path / name
+    work.mkdir()
+    server, log = serve_with_connector(work, root, backend, loads=loads, **options)
+    try:
+        # Both halves compiled first (torch compiles a batch shape on first use), other words.
+        warm = vllm_server.make_prompt(1200, 5)
+        server.complete(0, 4, prompt=warm)
+        server.post("/reset_prefix_cache")
+        server.complete(0, 4, prompt=warm + " " + vllm_server.make_prompt(40, 6))
+        done = len(connector_log(log))
+        before = set(files_under(root))
+        os.sync()  # ext4's journal commits before the recorder attaches (see above)
+        rec = start_recorder("-d", dev, "--layer", "block", "--layer", "syscall",
+                             "--phases", "vllm-plugin", name=name, socket=server.marks_socket)
+        s0 = settle(dev)
+        m0 = server.metrics()
+        prompt = vllm_server.make_prompt(1200, 11)
+        server.complete(0, 16, prompt=prompt)
+        server.post("/reset_prefix_cache")
+        if between is not None:
+            between(sorted(set(files_under(root)) - before))
+        server.complete(0, 16, prompt=prompt + " " + vllm_server.make_prompt(40, 12))
+        time.sleep(0.5)
+        m1 = server.metrics()
+        s1 = settle(dev)
+        assert rec.stop() == 0, "".join(rec.stderr_lines)
+    finally:
+        server.stop()
+    batches = connector_log(log)[done:]
+    moved = {k: m1.get(k, 0.0) - m0.get(k, 0.0) for k in (
+        "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total")}
+    new = sum(size for f, size in files_under(root).items() if f not in before)
+    return {"report": rec.report(), "batches": batches, "disk": stat_delta(s0, s1),
+            "moved": moved, "out": rec.out, "new_file_bytes": new}
+
+
+def files_under(root: Path) -> dict[Path, int]:
+    return {f: f.stat().st_size for f in root.rglob("*") if f.is_file()}
+
+
+def offload_rules(report: dict) -> dict[str, dict]:
+    return {f["rule"]: f for f in report["findings"] if f["rule"].startswith("offload-")}
+
+
+def test_lmcache_o_direct_reads_the_device_and_buffered_reads_the_page_cache(
+        loopdev, ext4, tmp_path, start_recorder):
+    """LMCache#1522's question, whether the offload's loads reach the device: LMCache's disk
+    backend with `use_odirect`, then without it and its files still cached from the store.
+    The page-cache finding fires only in the second, with the share the device's own counters
+    give."""
+    seen = {}
+    for odirect in (True, False):
+        # Buffered, a third of the files no longer cached when they are read back (a cache
+        # larger than the memory left for it): the share is neither all nor nothing.
+        run = stored_then_asked_again(tmp_path, ext4 / f"lmcache-{odirect}", "lmcache", loopdev,
+                                      start_recorder, f"odirect-{odirect}", odirect=odirect,
+                                      between=lambda files: drop_cached_pages(files[::3]))
+        loads = [b for b in run["batches"] if b["op"] == "load"]
+        assert loads and all(b["direct"] == odirect for b in run["batches"]), run["batches"]
+        read_back = sum(b["bytes"] for b in loads)
+        device = run["disk"][READ_SECTORS] * 512  # what the device read, by diskstats
+        off, rules = run["report"]["offload"], offload_rules(run["report"])
+        # The engine counted the connector's loads as its hits, at its bytes a token.
+        assert off["hit_tokens"] == run["moved"]["vllm:external_prefix_cache_hits_total"] \
+            == sum(b["blocks"] * b["block_tokens"] for b in loads)
+        assert off["claimed_read_bytes"] == read_back == off["files_read_bytes"]
+        # The share the page cache served is what the device did not read.
+        assert off["device_read_bytes"] == device
+        assert off["page_cache_hit_pct"] == pytest.approx(100 * (read_back - device) / read_back,
+                                                          rel=1e-12)
+        seen[odirect] = (off["page_cache_hit_pct"], rules)
+        print(f"LMCache use_odirect={odirect}: read back {read_back} B, device read {device} B,"
+              f" page cache {off['page_cache_hit_pct']:.1f} %; findings "
+              f"{[f['text'] for f in rules.values()]}")
+    (direct_pct, direct_rules), (cached_pct, cached_rules) = seen[True], seen[False]
+    assert direct_pct == 0.0 and "offload-from-page-cache" not in direct_rules
+    found = cached_rules["offload-from-page-cache"]
+    assert 50 <= cached_pct < 100 and found["figures"]["offload.page_cache_hit_pct"] == cached_pct
+    assert f"{cached_pct:.0f} %" in found["text"]
+    assert not {"offload-never-read", "offload-bytes-differ"} & (set(direct_rules)
+                                                                 | set(cached_rules))
+
+
+def test_a_connector_that_stores_and_never_loads_is_named(loopdev, ext4, tmp_path,
+                                                           start_recorder):
+    """The same requests as the fs-tier test (where the connector loads and no offload
+    finding fires), through a connector whose lookups always miss: it writes every prompt's
+    blocks, reads none back, and the engine counts no hits."""
+    run = stored_then_asked_again(tmp_path, ext4 / "kv", "fs", loopdev, start_recorder,
+                                  "never-loads", loads=False)
+    stores = [b for b in run["batches"] if b["op"] == "store"]
+    assert stores and not [b for b in run["batches"] if b["op"] == "load"]
+    off, rules = run["report"]["offload"], offload_rules(run["report"])
+    moved = run["moved"]
+    assert moved["vllm:external_prefix_cache_hits_total"] == 0 == off["hit_tokens"]
+    assert off["query_tokens"] == moved["vllm:external_prefix_cache_queries_total"] > 0
+    # Written once, as the files say: the second request's blocks were already there, and
+    # vLLM's fs tier returns early then; counted as stored all the same, as the connector
+    # counts (and vLLM's own kv_offload_tiering_write_bytes: keys x block size).
+    claimed = sum(b["bytes"] for b in stores)
+    print(f"never loads: the connector counted {claimed} B stored, the files took "
+          f"{run['new_file_bytes']} B, kvprof saw {off['files_written_bytes']} B written")
+    assert off["files_written_bytes"] == run["new_file_bytes"] == claimed // 2
+    assert off["files_read_bytes"] == 0
+    found = rules.pop("offload-never-read")
+    print(f"never loads: {found['text']}")
+    assert found["figures"] == {"offload.files_read_bytes": 0,
+                                "offload.files_written_bytes": off["files_written_bytes"],
+                                "offload.hit_tokens": 0.0,
+                                "offload.query_tokens": off["query_tokens"]}
+    assert not rules
+
+
 def replay_on_another_filesystem(session: Path, dev: str, tmp_path: Path, want: dict,
                                  cache: str) -> tuple[dict, dict]:
     """The real engine's session replayed (`kvprof replay --on DIR`: its KV cache's file
@@ -245,10 +367,10 @@ READ_MS, BLOCK_TOKENS = 40, 64
 PROMPTS, PROMPT_WORDS, TAIL_WORDS, GENERATED = 3, 2048, 8, 16
 
 
-def drop_cached_pages(root: Path) -> None:
-    """The chunk files out of the page cache (written back first): the next reads are cold."""
+def drop_cached_pages(files) -> None:
+    """The files out of the page cache (written back first): their next reads are cold."""
     os.sync()
-    for f in root.iterdir():
+    for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -295,7 +417,7 @@ def lmcache_run(readers: int, dev: str, ext4: Path, tmp_path: Path, start_record
             out[name] = {"rec": rec, "usage": usage, "batches": batches,
                          "disk": (s0, s1), "external": ext1 - ext0}
             if name == "stores":
-                drop_cached_pages(root)
+                drop_cached_pages(root.iterdir())
                 server.post("/reset_prefix_cache")  # the prefixes only on disk now
     finally:
         server.stop()

@@ -125,9 +125,11 @@ def build_model(out: Path) -> Path:
 
 
 def start_with_connector(workdir: Path, root: Path, backend: str, max_model_len: int = 2048,
-                         args: tuple[str, ...] = (), **options) -> Server:
+                         args: tuple[str, ...] = (), loads: bool = True,
+                         **options) -> Server:
     """Served with the tests' KV connector (kv_connector.py) offloading to `root` through
-    `backend` (`args`: more of vLLM's options); what it did goes to
+    `backend` (`options`: the backend's; `args`: more of vLLM's options; `loads`: False for a
+    connector that stores and never loads); what it did goes to
     workdir/connector.jsonl. The dev-mode endpoint
     /reset_prefix_cache drops the engine's own prefix cache, as when its memory is needed,
     so a prefix comes back from disk."""
@@ -135,7 +137,7 @@ def start_with_connector(workdir: Path, root: Path, backend: str, max_model_len:
               "kv_connector_module_path": "tests.engine.kv_connector", "kv_role": "kv_both",
               "kv_connector_extra_config": {"backend": backend, "root": str(root),
                                             "log": str(workdir / "connector.jsonl"),
-                                            "options": options}}
+                                            "options": options, "loads": loads}}
     return start(workdir, args=("--kv-transfer-config", json.dumps(config), *args),
                  max_model_len=max_model_len,
                  extra_env={"PYTHONPATH": str(REPO), "VLLM_SERVER_DEV_MODE": "1"})

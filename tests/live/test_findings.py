@@ -418,10 +418,10 @@ def test_one_reader_at_a_time_is_latency_bound_and_four_side_by_side_are_not(
 # -- the engine's offload claims against its KV cache files, on summaries built by hand --------
 
 def offload(hits: float | None, read: int, written: int, device: int,
-            per_token: float | None = 2048.0) -> dict:
+            per_token: float | None = 2048.0, queries: float | None = None) -> dict:
     r = json.loads(GOLDEN.read_text())
     r.pop("findings")
-    r["offload"] = {"hit_tokens": hits, "query_tokens": hits,
+    r["offload"] = {"hit_tokens": hits, "query_tokens": hits if queries is None else queries,
                     "bytes_per_token": per_token if hits is not None else None,
                     "claimed_read_bytes": None if hits is None or per_token is None
                     else hits * per_token,
@@ -444,7 +444,10 @@ def test_offload_findings_name_each_failure_with_its_figures():
     # Stored and never loaded (LMCache#2205, sglang#26886).
     f = offload_findings(offload(0, 0, 4 * mib, 0))["offload-never-read"]
     assert f["text"] == ("KV cache files (lmcache-disk) were written 4.0 MiB and never read "
-                         "back: stores and no loads (the engine counted none)")
+                         "back: stores and no loads (the engine counted no connector hits)")
+    f = offload_findings(offload(0, 0, 4 * mib, 0, queries=1200))["offload-never-read"]
+    assert f["text"].endswith("(its KV connector had none of the 1200 prompt tokens it was "
+                              "asked for)") and f["figures"]["offload.query_tokens"] == 1200
     # Hits the engine counts, but no cache file read: served from somewhere else.
     f = offload_findings(offload(512, 0, 4 * mib, 0))["offload-never-read"]
     assert f["text"].startswith("the engine says its KV connector supplied 512 prompt tokens")

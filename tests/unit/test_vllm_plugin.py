@@ -60,6 +60,7 @@ DRIVER = textwrap.dedent('''
         kv_cache_usage: float = 0.0
         iteration_details: SchedulerIterationDetails | None = None
         prefix_cache_stats: object = None
+        connector_prefix_cache_stats: object = None
 
     @dataclass
     class PromptTokenStats:
@@ -113,8 +114,11 @@ DRIVER = textwrap.dedent('''
     log0.record(step(4, 0, 0, 0, 0, 1.5), IterationStats())     # empty step: nothing
     time.sleep(0.03)
     # No iteration details (vLLM's defaults): tokens and lengths from IterationStats.
+    # The KV connector asked for 256 tokens, had none: zero hits is a count too.
     log0.record(SchedulerStats(prefix_cache_stats=SimpleNamespace(requests=2, queries=640,
-                                                                  hits=512)),
+                                                                  hits=512),
+                               connector_prefix_cache_stats=SimpleNamespace(
+                                   requests=1, queries=256, hits=0)),
                 IterationStats(generated=6, itl=[0.012] * 6))
     time.sleep(0.02)
     # Two prefills finished; one waited 0.5 s: the window starts where the last one ended.
@@ -214,7 +218,8 @@ def test_plugin_discovered_by_entry_point_sends_step_windows(tmp_path, marks):
         "time_to_first_token_seconds_count": 4,
         "inter_token_latency_seconds_sum": 0.041 * 2 + 0.01 * 8 + 0.012 * 6,
         "inter_token_latency_seconds_count": 4 + 8 + 6,
-        "prefix_cache_queries_total": 640, "prefix_cache_hits_total": 512})
+        "prefix_cache_queries_total": 640, "prefix_cache_hits_total": 512,
+        "external_prefix_cache_queries_total": 256, "external_prefix_cache_hits_total": 0})
     assert all(min(r["value"] for r in counted if r["name"] == n) == 0.0
                for n in {r["name"] for r in counted})
 
