@@ -200,8 +200,9 @@ def stored_then_asked_again(tmp_path: Path, root: Path, backend: str, dev: str,
     """The real vLLM with the tests' connector over `backend`: recorded (block and syscall
     layers, the plugin's windows), a prompt stored, the engine's own prefix cache dropped, and
     the same prefix with a new tail asked again (loaded back where the connector loads);
-    `between(files)` runs in between with the cache files the first request wrote. Returns the report, the connector's batches, vLLM's counters, the device's diskstats
-    across the recording, and the bytes of the cache files that appeared meanwhile."""
+    `between(files)` runs in between with the cache files the first request wrote. Returns
+    the report, the connector's batches, vLLM's counters, the device's diskstats across the
+    recording, and the bytes of the cache files that appeared meanwhile."""
     work = tmp_path / name
     work.mkdir()
     server, log = serve_with_connector(work, root, backend, loads=loads, **options)
