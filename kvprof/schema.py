@@ -270,7 +270,12 @@ def _series(s) -> list[str]:
             *(n for names in s.offload.values() for n in names)]
 
 
-ENGINE_SERIES = frozenset(n for s in PHASE_SOURCES for n in _series(s))
+# What engines say of their KV cache's size, for its bytes a token: vLLM's info series (its
+# labels), SGLang's pools' memory in GiB and their tokens (gauges).
+KV_SIZE_SERIES = ("vllm:cache_config_info", "sglang:kv_cache_memory_usage_gb",
+                  "sglang:max_total_num_tokens")
+ENGINE_SERIES = frozenset([*(n for s in PHASE_SOURCES for n in _series(s)),
+                           *KV_SIZE_SERIES])
 # The series a window on the marker socket may carry (`counters`): those of the sources
 # whose windows come there (no thread of their own).
 MARK_SERIES = frozenset(n for s in PHASE_SOURCES if s.source is None for n in _series(s))

@@ -101,6 +101,7 @@ class CacheOp(TypedDict):
     bytes: int
     bandwidth_bytes_per_s: float
     direct_bytes: int
+    busy_s: float  # wall time with at least one of these calls in flight
     device_bytes: NotRequired[int]  # reads: what the calling threads read from the device
     page_cache_hit_pct: NotRequired[float | None]  # reads
 
@@ -155,16 +156,24 @@ class Engine(TypedDict):
 
 
 class Offload(TypedDict):
-    """What the engine says its KV connector supplied beside what the KV caches' files did
-    (the caches' read and write calls, all phases of the span)."""
+    """What the engine says its KV offload did beside what the KV caches' files did (the
+    caches' read and write calls, all phases of the span)."""
     hit_tokens: float | None  # prompt tokens the connector supplied (the engine's count)
     query_tokens: float | None  # prompt tokens it was asked for
     bytes_per_token: float | None  # the engine's KV bytes a token, where it says
-    claimed_read_bytes: float | None  # the bytes those hits make
+    # What it says it read from its storage tiers (their count, else its hits' bytes) and
+    # stored to them, and the time its own loads and stores took.
+    claimed_read_bytes: float | None
+    claimed_written_bytes: float | None
+    engine_load_time_s: float | None
+    engine_store_time_s: float | None
     files_read_bytes: int
     files_written_bytes: int
     device_read_bytes: int  # what the reading threads took from the device meanwhile
     page_cache_hit_pct: float | None  # of files_read_bytes, the share not from the device
+    files_read_busy_s: float  # wall time with a read of a KV cache file in flight
+    ttft_total_s: float | None  # the requests' times to first token, summed (the engine's)
+    load_wait_pct: float | None  # files_read_busy_s of ttft_total_s
     caches: list[str]
 
 

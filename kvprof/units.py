@@ -50,17 +50,30 @@ def engine_parts(engine: Engine | None) -> list[str]:
 def offload_sentence(o: Offload | None) -> str | None:
     """The engine's offload claims beside what its KV caches' files did, in a sentence;
     None where neither is known."""
-    if not o or (o["hit_tokens"] is None and not o["caches"]):
+    if not o or (o["hit_tokens"] is None and o["claimed_read_bytes"] is None
+                 and o["claimed_written_bytes"] is None and not o["caches"]):
         return None
-    said = "the engine counted no connector" if o["hit_tokens"] is None else (
+    per_token = o["bytes_per_token"]
+    said = ["the engine counts no connector hits here" if o["hit_tokens"] is None else (
         f"the engine says its KV connector supplied {o['hit_tokens']:.0f} of "
         f"{o['query_tokens'] or 0:.0f} prompt tokens asked for"
-        + ("" if o["claimed_read_bytes"] is None else
-           f" ({human_bytes(o['claimed_read_bytes'])} at "
-           f"{human_bytes(o['bytes_per_token'] or 0)} a token)"))
-    files = (f"its KV cache files ({', '.join(o['caches'])}) were read "
-             f"{human_bytes(o['files_read_bytes'])}, "
-             f"{human_bytes(o['device_read_bytes'])} of it from the device, and written "
-             f"{human_bytes(o['files_written_bytes'])}" if o["caches"] else
-             "no KV cache files were traced (record with --layer syscall and --cache)")
-    return f"offload: {said}; {files}"
+        + ("" if not per_token else
+           f" ({human_bytes(o['hit_tokens'] * per_token)} at {human_bytes(per_token)} "
+           "a token)"))]
+    for what, nbytes, took in (("loaded", o["claimed_read_bytes"], o["engine_load_time_s"]),
+                               ("stored", o["claimed_written_bytes"],
+                                o["engine_store_time_s"])):
+        if took is not None or (nbytes is not None and (what == "stored"
+                                                        or o["hit_tokens"] is None)):
+            said.append(f"its offload {what} "
+                        + (human_bytes(nbytes) if nbytes is not None else "(bytes not said)")
+                        + ("" if took is None else f" in {took:.3f} s of its own"))
+    if not o["caches"]:
+        return (f"offload: {', '.join(said)}; no KV cache files were traced (record with "
+                "--layer syscall and --cache)")
+    wait = "" if o["load_wait_pct"] is None else (
+        f", {o['load_wait_pct']:.0f} % of the requests' time to first token")
+    return (f"offload: {', '.join(said)}; its KV cache files ({', '.join(o['caches'])}) were "
+            f"read {human_bytes(o['files_read_bytes'])} (in flight "
+            f"{o['files_read_busy_s']:.3f} s{wait}), {human_bytes(o['device_read_bytes'])} "
+            f"of it from the device, and written {human_bytes(o['files_written_bytes'])}")

@@ -279,7 +279,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
         "phases": phases,
         "engine": _engine(counters, total_s),
         "offload": _offload(_moved(counters), _bytes_per_token(
-            rows.engine_labels("vllm:cache_config_info", t1)), phases),
+            rows.engine_last(list(schema.KV_SIZE_SERIES), t1)), phases),
         "exact": exact,
     }
     on_block = info.config.get("io_uring_on_block")
@@ -538,29 +538,49 @@ def _over_engines(engines: tuple[tuple[str, ...], ...], moved: dict[str, float]
     return sum(got) if got else None
 
 
-def _bytes_per_token(labels: list[str]) -> float | None:
-    """An engine's KV bytes a token from its cache_config_info labels: the cache's budget over
-    its size in tokens; None where no engine says both (or they say different things)."""
+def _bytes_per_token(last: list[tuple[str, str, str, float]]) -> float | None:
+    """The engines' KV bytes a token, from what they say of their KV cache (last values of
+    schema.KV_SIZE_SERIES): vLLM's cache_config_info labels, the cache's budget over its size
+    in tokens; SGLang's pools' memory (in GiB, though it says GB) over their tokens. None
+    where no engine says both, or they say different things."""
     found = set()
-    for text in labels:
-        try:
-            info = json.loads(text)
-            found.add(int(info["kv_cache_memory_bytes"]) / int(info["kv_cache_size_tokens"]))
-        except (ValueError, KeyError, TypeError, ZeroDivisionError):
-            continue
+    sglang: dict[str, dict[str, float]] = {}
+    for engine, name, labels, value in last:
+        if name == "vllm:cache_config_info":
+            try:
+                info = json.loads(labels)
+                found.add(int(info["kv_cache_memory_bytes"]) / int(info["kv_cache_size_tokens"]))
+            except (ValueError, KeyError, TypeError, ZeroDivisionError):
+                continue
+        else:
+            sglang.setdefault(engine, {})[name] = value
+    for said in sglang.values():
+        gib, tokens = (said.get(n) for n in schema.KV_SIZE_SERIES[1:])
+        if gib and tokens:
+            found.add(round(gib * (1 << 30) / tokens, 3))
     return found.pop() if len(found) == 1 else None
 
 
 def _offload(moved: dict[str, float], bytes_per_token: float | None,
              phases: dict[str, PhaseStats]) -> Offload:
-    """The engine's offload figures (schema.OFFLOAD_BY_ENGINE) beside its KV caches' files."""
-    hits, queries, hit_bytes = (_over_engines(schema.OFFLOAD_BY_ENGINE[f], moved)
-                                for f in ("hit_tokens", "query_tokens", "hit_bytes"))
+    """The engine's offload figures (schema.OFFLOAD_BY_ENGINE) beside its KV caches' files.
+    What it claims to have read: its storage tiers' own count where it keeps one (bytes, else
+    tokens at its bytes a token), else its connector's hits at its bytes a token."""
+    got = {f: _over_engines(names, moved) for f, names in schema.OFFLOAD_BY_ENGINE.items()}
+    hits, hit_bytes = got.get("hit_tokens"), got.get("hit_bytes")
     if hit_bytes is None and hits is not None and bytes_per_token:
         hit_bytes = hits * bytes_per_token
     if hits and hit_bytes is not None and bytes_per_token is None:
         bytes_per_token = hit_bytes / hits
+
+    def tier(op: str) -> float | None:
+        nbytes, tokens = got.get(f"{op}_bytes"), got.get(f"{op}_tokens")
+        if nbytes is None and tokens is not None and bytes_per_token:
+            nbytes = tokens * bytes_per_token
+        return nbytes
+    loaded = tier("loaded")
     read = written = device = 0
+    busy = 0.0
     names: list[str] = []
     for ph in phases.values():
         for cache, c in ph["caches"].items():
@@ -570,10 +590,20 @@ def _offload(moved: dict[str, float], bytes_per_token: float | None,
             read += c["read"]["bytes"]
             written += c["write"]["bytes"]
             device += c["read"].get("device_bytes", 0)
-    return {"hit_tokens": hits, "query_tokens": queries, "bytes_per_token": bytes_per_token,
-            "claimed_read_bytes": hit_bytes, "files_read_bytes": read,
-            "files_written_bytes": written, "device_read_bytes": device,
-            "page_cache_hit_pct": _hit_pct(read, device), "caches": sorted(set(names))}
+            busy += c["read"]["busy_s"]
+    ttft = next((moved[num] for num, den in schema.ENGINE_MEANS["ttft_s"] if moved.get(den)),
+                None)
+    return {"hit_tokens": hits, "query_tokens": got.get("query_tokens"),
+            "bytes_per_token": bytes_per_token,
+            "claimed_read_bytes": loaded if loaded is not None else hit_bytes,
+            "claimed_written_bytes": tier("stored"),
+            "engine_load_time_s": got.get("load_time_s"),
+            "engine_store_time_s": got.get("store_time_s"),
+            "files_read_bytes": read, "files_written_bytes": written,
+            "device_read_bytes": device, "page_cache_hit_pct": _hit_pct(read, device),
+            "files_read_busy_s": busy, "ttft_total_s": ttft,
+            "load_wait_pct": 100.0 * busy / ttft if ttft and names else None,
+            "caches": sorted(set(names))}
 
 
 def _engine(counters: list[tuple[str, str, float]], total_s: float) -> Engine:
@@ -647,6 +677,7 @@ def _caches(rows: list[CacheRow], times: dict[str, float]
         e["ios"] += int(r.ios)
         e["bytes"] += int(r.bytes)
         e["direct_bytes"] += int(r.bytes) if r.direct else 0
+        e["busy_s"] += int(r.busy_ns) / 1e9
         e["bandwidth_bytes_per_s"] = per_second(e["bytes"], times[p])
         if r.op == "read":
             e["device_bytes"] = e.get("device_bytes", 0) + int(r.device_bytes)
@@ -667,7 +698,8 @@ def _caches(rows: list[CacheRow], times: dict[str, float]
 
 
 def _cache_op() -> CacheOp:
-    return {"ios": 0, "bytes": 0, "bandwidth_bytes_per_s": 0.0, "direct_bytes": 0}
+    return {"ios": 0, "bytes": 0, "bandwidth_bytes_per_s": 0.0, "direct_bytes": 0,
+            "busy_s": 0.0}
 
 
 def _writeback(rows: list[WritebackRow]) -> tuple[dict[str, Writeback], Count]:

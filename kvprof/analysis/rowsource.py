@@ -98,6 +98,7 @@ class CacheRow(NamedTuple):
     ios: int
     bytes: int
     device_bytes: int  # what the calls had the device read (0 for writes)
+    busy_ns: int  # of the (phase, cache, op)'s time in flight, the part these calls added
 
 
 class WritebackRow(NamedTuple):
@@ -252,8 +253,9 @@ class RowSource:
         in the span. A series that went back (an engine restart) is left out."""
         raise NotImplementedError
 
-    def engine_labels(self, name: str, t1: int) -> list[str]:
-        """Per engine, the labels (JSON) of series `name` last stored before t1."""
+    def engine_last(self, names: list[str], t1: int) -> list[tuple[str, str, str, float]]:
+        """Per engine and series of `names`, its row last stored before t1: (engine, name,
+        labels as JSON, value)."""
         raise NotImplementedError
 
     def counter_steps(self, names: list[str], t0: int, t1: int) -> list[tuple[int, float]]:
@@ -469,11 +471,12 @@ class SqlRows(RowSource):
         except duckdb.CatalogException:
             return []
 
-    def engine_labels(self, name: str, t1: int) -> list[str]:
+    def engine_last(self, names: list[str], t1: int) -> list[tuple[str, str, str, float]]:
         try:
-            return [labels for (labels,) in self.cur.execute(
-                "SELECT arg_max(labels, ts_ns) FROM engine_metric WHERE name = ? AND ts_ns < ? "
-                "GROUP BY engine ORDER BY engine", [name, int(t1)]).fetchall()]
+            return [(e, n, labels, float(v)) for e, n, labels, v in self.cur.execute(
+                "SELECT engine, name, arg_max(labels, ts_ns), arg_max(value, ts_ns) "
+                "FROM engine_metric WHERE list_contains(?, name) AND ts_ns < ? "
+                "GROUP BY ALL ORDER BY ALL", [list(names), int(t1)]).fetchall()]
         except duckdb.CatalogException:
             return []
 
@@ -666,7 +669,15 @@ class SqlRows(RowSource):
             WITH s AS (
                 SELECT io.pid, io.issue_ns, io.complete_ns, io.bytes, io.op,
                        {fetched} AS fetched, coalesce(io.cache, 'other') AS cache,
-                       (io.flags & {schema.FLAG_DIRECT}) <> 0 AS direct, w.w_phase AS phase
+                       (io.flags & {schema.FLAG_DIRECT}) <> 0 AS direct, w.w_phase AS phase,
+                       -- Time with a call in flight, per (phase, cache, op): in issue order,
+                       -- the part of each call past the latest end before it.
+                       greatest(0, io.complete_ns - greatest(io.issue_ns, coalesce(
+                           max(io.complete_ns) OVER (
+                               PARTITION BY w.w_phase, coalesce(io.cache, 'other'), io.op
+                               ORDER BY io.issue_ns, io.complete_ns
+                               ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING),
+                           io.issue_ns))) AS busy
                 FROM (SELECT * FROM io WHERE {_and("layer = 'syscall'",
                                                    "op IN ('read', 'write')", cond)}) io
                 ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start),
@@ -678,7 +689,8 @@ class SqlRows(RowSource):
                 WHERE s.op = 'read' AND (s.fetched IS NULL OR s.direct) GROUP BY ALL)
             SELECT s.phase, s.cache, s.op, s.direct, count(*), sum(s.bytes)::UBIGINT,
                    coalesce(sum(CASE WHEN s.fetched IS NOT NULL AND NOT s.direct
-                                     THEN s.fetched ELSE dev.bytes END), 0)::UBIGINT
+                                     THEN s.fetched ELSE dev.bytes END), 0)::UBIGINT,
+                   sum(s.busy)::BIGINT
             FROM s LEFT JOIN dev ON dev.pid = s.pid AND dev.issue_ns = s.issue_ns
             GROUP BY ALL ORDER BY ALL""", params))
 
@@ -934,8 +946,8 @@ class LiveRows(RowSource):
     def engine_counters(self, t0: int, t1: int) -> list[tuple[str, str, float]]:
         return self.sql.engine_counters(t0, t1)
 
-    def engine_labels(self, name: str, t1: int) -> list[str]:
-        return self.sql.engine_labels(name, t1)
+    def engine_last(self, names: list[str], t1: int) -> list[tuple[str, str, str, float]]:
+        return self.sql.engine_last(names, t1)
 
     def counter_steps(self, names: list[str], t0: int, t1: int) -> list[tuple[int, float]]:
         return self.sql.counter_steps(names, t0, t1)

@@ -207,6 +207,10 @@ class _ScrapeFailed(Exception):
         self.kind = kind
 
 
+# Counter series (and a histogram's), by the names Prometheus clients give them.
+COUNTED = ("_total", "_sum", "_count", "_bucket")
+
+
 class MetricsSource(PhaseSource):
     """Scrapes one /metrics endpoint and turns counter deltas into phase windows.
 
@@ -373,6 +377,13 @@ class MetricsSource(PhaseSource):
             last = self._last_values.get(key)
             same = last is not None and (last == s.value or (math.isnan(last) and
                                                              math.isnan(s.value)))
+            if last is None and self._prev_ts is not None and s.name.endswith(COUNTED):
+                # A counter first seen after the first scrape started at 0 since the last
+                # one (client libraries create labelled series on first use): what it holds
+                # moved in this session.
+                self.emit("engine_metric", {"ts_ns": self._prev_ts,
+                                            "engine": self.engine_for(s.labels),
+                                            "name": s.name, "labels": key[1], "value": 0.0})
             if not same:
                 self.emit("engine_metric", {"ts_ns": ts_ns, "engine": self.engine_for(s.labels),
                                             "name": s.name, "labels": key[1],

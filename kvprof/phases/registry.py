@@ -41,7 +41,8 @@ class PhaseSourceKind:
     means: Mapping[str, tuple[tuple[str, str], ...]] = field(default_factory=dict)
     tokens: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # What the engine says of its KV offload: figure -> counters (OFFLOAD_BY_ENGINE): tokens its
-    # connector supplied and was asked for, and the bytes those hits make.
+    # connector supplied and was asked for, the bytes those hits make, what its storage tiers
+    # loaded and stored (bytes or tokens) and the time they took.
     offload: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # (pattern on a command line, role) for the engine's processes (roles.py); `\1` takes
     # the engine's own name for the process.
@@ -119,8 +120,18 @@ PHASE_SOURCES: tuple[PhaseSourceKind, ...] = (
                                            "vllm:prefix_cache_queries_total"),)},
         tokens={"prompt_tokens": ("vllm:prompt_tokens_total",),
                 "generation_tokens": ("vllm:generation_tokens_total",)},
+        # Its storage tiers' own counts (vLLM's tiering: file reads and writes, keys x chunk
+        # size; LMCache's, served through vLLM's /metrics: stored tokens, time in its
+        # retrieves and stores). Names as their code registers them, not seen running here.
         offload={"hit_tokens": ("vllm:external_prefix_cache_hits_total",),
-                 "query_tokens": ("vllm:external_prefix_cache_queries_total",)},
+                 "query_tokens": ("vllm:external_prefix_cache_queries_total",),
+                 "loaded_bytes": ("vllm:kv_offload_tiering_read_bytes_total",),
+                 "stored_bytes": ("vllm:kv_offload_tiering_write_bytes_total",),
+                 "stored_tokens": ("lmcache:num_stored_tokens_total",),
+                 "load_time_s": ("vllm:kv_offload_tiering_read_time_total",
+                                 "lmcache:time_to_retrieve_sum"),
+                 "store_time_s": ("vllm:kv_offload_tiering_write_time_total",
+                                  "lmcache:time_to_store_sum")},
         roles=((r"^VLLM::EngineCore", "vllm EngineCore"),
                (r"^VLLM::Worker", "vllm worker"),
                (r"^VLLM::APIServer", "vllm API server"),
@@ -144,6 +155,10 @@ PHASE_SOURCES: tuple[PhaseSourceKind, ...] = (
                           "sglang:inter_token_latency_seconds_count"),)},
         tokens={"prompt_tokens": ("sglang:prompt_tokens_total",),
                 "generation_tokens": ("sglang:generation_tokens_total",)},
+        # HiCache's storage tier: tokens prefetched from it and backed up to it (its
+        # collector's names, not seen running here).
+        offload={"loaded_tokens": ("sglang:prefetched_tokens_total",),
+                 "stored_tokens": ("sglang:backuped_tokens_total",)},
         roles=((r"^sglang::scheduler", "sglang scheduler"),
                (r"^sglang::(\w+?)(?:_TP\d+.*)?$", r"sglang \1"),
                (r"sglang\.launch_server|(^|\s|/)sglang\s+serve\b", "sglang server"))),

@@ -39,6 +39,9 @@ HIT_STEP_PCT = 10.0
 # device reads; the engine's bytes and its files' differ past this share.
 PAGE_CACHE_PCT = 50.0
 BYTES_DIFFER_PCT = 10.0
+# Reads of the KV cache files in flight for at least this share of the requests' summed time
+# to first token: prefix loads wait on storage.
+LOAD_WAIT_PCT = 25.0
 # A phase's own finding rests on at least this many requests of one op: fewer are incidental
 # (a file system's journal flushing a few blocks, a log line), not a workload to size for.
 MIN_IOS = 32
@@ -321,14 +324,27 @@ def _offload(summary: Summary) -> list[Finding]:
             "memory)"), {"offload.files_read_bytes": read,
                          "offload.device_read_bytes": o["device_read_bytes"],
                          "offload.page_cache_hit_pct": pct}))
-    claimed = o["claimed_read_bytes"]
-    if claimed and read and abs(read - claimed) > BYTES_DIFFER_PCT / 100 * claimed:
-        out.append(Finding("offload-bytes-differ", None, (
-            f"the engine's offloaded bytes ({human_bytes(claimed)}: {hits or 0:.0f} hit tokens) "
-            f"and its KV cache files' reads ({human_bytes(read)}) differ by "
-            f"{100 * (read - claimed) / claimed:+.0f} %"), {
-                "offload.claimed_read_bytes": claimed, "offload.files_read_bytes": read,
-                "offload.hit_tokens": hits}))
+    for op, claimed, done in (("read", o["claimed_read_bytes"], read),
+                              ("written", o["claimed_written_bytes"], written)):
+        if claimed and done and abs(done - claimed) > BYTES_DIFFER_PCT / 100 * claimed:
+            per_token = o["bytes_per_token"]
+            said = (f"{hits:.0f} hit tokens" if op == "read" and hits and per_token
+                    and claimed == hits * per_token else "its own count")
+            out.append(Finding("offload-bytes-differ", None, (
+                f"the engine's offloaded bytes {op} ({human_bytes(claimed)}: {said}) and its "
+                f"KV cache files' ({human_bytes(done)}) differ by "
+                f"{100 * (done - claimed) / claimed:+.0f} %"), {
+                    f"offload.claimed_{'read' if op == 'read' else 'written'}_bytes": claimed,
+                    f"offload.files_{op}_bytes": done, "offload.hit_tokens": hits}))
+    wait = o["load_wait_pct"]
+    if wait is not None and wait >= LOAD_WAIT_PCT:
+        out.append(Finding("offload-loads-wait", None, (
+            f"reads of the KV cache files ({caches}) were in flight "
+            f"{o['files_read_busy_s']:.3f} s of the {o['ttft_total_s'] or 0:.3f} s the "
+            f"requests waited for their first token ({wait:.0f} %): prefix loads wait on "
+            "storage; faster reads, or more of them at once, shorten TTFT"), {
+                "offload.files_read_busy_s": o["files_read_busy_s"],
+                "offload.ttft_total_s": o["ttft_total_s"], "offload.load_wait_pct": wait}))
     return out
 
 

@@ -9,6 +9,7 @@ installs it, and under CI (KVPROF_REQUIRE_VLLM=1) they fail instead of skipping.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -412,3 +413,44 @@ def test_the_engine_and_doctor_say_what_the_plugin_does(vllm):
     mine = [line for line in lines if line.split()[1:4] == ["vllm", "pid", str(vllm.pid)]]
     assert len(mine) == 1 and mine[0].startswith("ok") and "installed" in mine[0]
     assert mine[0].endswith(vllm.marks_socket)
+
+
+NAMES = r'''
+import inspect, json, re
+from vllm.v1.kv_offload.tiering import spec
+from vllm.v1.kv_offload.tiering.base import TieringOffloadingMetrics as T
+from lmcache import observability
+names = {}
+src = inspect.getsource(spec)
+for const in ("READ_BYTES", "READ_TIME", "WRITE_BYTES", "WRITE_TIME"):
+    kind = re.search(rf"metrics\[TieringOffloadingMetrics\.{const}\] = (\w+)", src).group(1)
+    names[getattr(T, const)] = kind
+src = inspect.getsource(observability.PrometheusLogger)
+for kind, name in re.findall(r'_create_(counter|histogram)\(\s*name="(lmcache:[a-z_]+)"', src):
+    names[name] = kind
+print(json.dumps(names))
+'''
+
+
+def test_the_offload_names_kvprof_reads_are_those_the_installed_code_registers():
+    """vLLM's tiering counters and LMCache's, as the installed vLLM and LMCache register them
+    (their connectors do not run on CPU: tests/live/test_offload_claims.py scrapes them from
+    expositions written with these names). A counter's series is its name + `_total`, a
+    histogram's sum its name + `_sum`, as prometheus_client writes them."""
+    from kvprof import schema
+
+    require(vllm_server.unavailable())
+    r = subprocess.run([str(vllm_server.venv() / "bin" / "python"), "-c", NAMES],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    registered = json.loads(r.stdout.splitlines()[-1])
+    series = set()
+    for name, kind in registered.items():
+        series.add(name + ("_sum" if kind in ("histogram", "OffloadingHistogramMetadata")
+                           else "_total"))
+    ours = {n for figure in ("loaded_bytes", "stored_bytes", "stored_tokens", "load_time_s",
+                             "store_time_s")
+            for names in schema.OFFLOAD_BY_ENGINE[figure] for n in names
+            if n.startswith(("vllm:", "lmcache:"))}
+    print(f"kvprof reads {sorted(ours)}; the installed code registers them")
+    assert ours and ours <= series, sorted(ours - series)

@@ -54,11 +54,24 @@ def test_the_offload_line_puts_the_engines_claims_beside_its_files():
     from kvprof.units import offload_sentence
 
     o = {"hit_tokens": 1152.0, "query_tokens": 2440.0, "bytes_per_token": 3072.0,
-         "claimed_read_bytes": 3538944.0, "files_read_bytes": 3538944,
-         "files_written_bytes": 3538944, "device_read_bytes": 3538944,
-         "page_cache_hit_pct": 0.0, "caches": ["vllm-fs-tier"]}
+         "claimed_read_bytes": 3538944.0, "claimed_written_bytes": None,
+         "engine_load_time_s": None, "engine_store_time_s": None,
+         "files_read_bytes": 3538944, "files_written_bytes": 3538944,
+         "device_read_bytes": 3538944, "page_cache_hit_pct": 0.0, "files_read_busy_s": 0.5,
+         "ttft_total_s": 2.0, "load_wait_pct": 25.0, "caches": ["vllm-fs-tier"]}
     assert offload_sentence(o) == (
         "offload: the engine says its KV connector supplied 1152 of 2440 prompt tokens asked "
         "for (3.4 MiB at 3.0 KiB a token); its KV cache files (vllm-fs-tier) were read "
-        "3.4 MiB, 3.4 MiB of it from the device, and written 3.4 MiB")
-    assert offload_sentence({**o, "hit_tokens": None, "caches": []}) is None
+        "3.4 MiB (in flight 0.500 s, 25 % of the requests' time to first token), 3.4 MiB of "
+        "it from the device, and written 3.4 MiB")
+    # The storage tiers' own counts (vLLM's tiering, LMCache's), with their own times.
+    tiers = {**o, "claimed_written_bytes": 7077888.0, "engine_load_time_s": 0.25,
+             "engine_store_time_s": 0.125, "load_wait_pct": None}
+    assert offload_sentence(tiers) == (
+        "offload: the engine says its KV connector supplied 1152 of 2440 prompt tokens asked "
+        "for (3.4 MiB at 3.0 KiB a token), its offload loaded 3.4 MiB in 0.250 s of its own, "
+        "its offload stored 6.8 MiB in 0.125 s of its own; its KV cache files (vllm-fs-tier) "
+        "were read 3.4 MiB (in flight 0.500 s), 3.4 MiB of it from the device, and written "
+        "3.4 MiB")
+    assert offload_sentence({**o, "hit_tokens": None, "claimed_read_bytes": None,
+                             "caches": []}) is None
