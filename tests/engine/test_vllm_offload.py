@@ -406,17 +406,19 @@ def lmcache_run(readers: int, dev: str, ext4: Path, tmp_path: Path, start_record
                                  *phases, name=f"{readers}-{name}",
                                  socket=server.marks_socket)
             s0 = settle(dev)
-            ext0 = external_tokens(server)
+            ext0, m0 = external_tokens(server), server.metrics()
             usage = [server.complete(0, GENERATED, prompt=p) for p in requests]
             time.sleep(0.5)  # the last steps' windows and a scrape after them
-            ext1 = external_tokens(server)
+            ext1, m1 = external_tokens(server), server.metrics()
             os.sync()  # the stores written back while recording: given back to prefill
             s1 = settle(dev)
             assert rec.stop() == 0, "".join(rec.stderr_lines)
             batches = connector_log(log)[done:]
             done += len(batches)
+            ttft = "vllm:time_to_first_token_seconds_sum"
             out[name] = {"rec": rec, "usage": usage, "batches": batches,
-                         "disk": (s0, s1), "external": ext1 - ext0}
+                         "disk": (s0, s1), "external": ext1 - ext0,
+                         "ttft_s": m1[ttft] - m0[ttft]}
             if name == "stores":
                 drop_cached_pages(root.iterdir())
                 server.post("/reset_prefix_cache")  # the prefixes only on disk now
@@ -465,6 +467,21 @@ def check_lmcache_session(run: dict, name: str) -> dict:
         assert c["read"]["device_bytes"] == nbytes == got_r
         assert c["read"]["page_cache_hit_pct"] == 0.0
         assert part["external"] == sum(b["blocks"] * b["block_tokens"] for b in batches)
+        # How long the requests' first tokens waited on those reads: the files' reads in
+        # flight, within the connector's own load time (its batches also open the files and
+        # copy: under a millisecond a block beside 40 ms reads, hence 90 %), over vLLM's own
+        # summed time to first token.
+        off = report["offload"]
+        load_s = sum(b["end_ns"] - b["start_ns"] for b in batches) / 1e9
+        assert 0.9 * load_s <= off["files_read_busy_s"] <= load_s, (off, load_s)
+        assert off["ttft_total_s"] == pytest.approx(part["ttft_s"], rel=1e-6)
+        assert off["load_wait_pct"] == pytest.approx(
+            100 * off["files_read_busy_s"] / part["ttft_s"], rel=1e-6)
+        wait = next(f for f in report["findings"] if f["rule"] == "offload-loads-wait")
+        print(f"{run['readers']} reader(s): the connector loaded for {load_s:.3f} s, its files' "
+              f"reads were in flight {off['files_read_busy_s']:.3f} s, TTFT summed "
+              f"{part['ttft_s']:.3f} s; {wait['text']}")
+        assert wait["figures"]["offload.load_wait_pct"] == off["load_wait_pct"] >= 25
     return report
 
 
