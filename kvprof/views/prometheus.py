@@ -64,6 +64,9 @@ class Exporter:
         self._closed: dict[tuple[str, str], int] = {}  # (phase, source) -> ns of closed windows
         self._open: dict[tuple[str, str], int] = {}  # the same of the open ones, last cut
         self._lost: dict[str, int] = {}
+        # (cache, op) -> [calls, bytes, bytes the device supplied]: the KV cache files'
+        # read and write calls (syscall layer), over the session.
+        self._caches: dict[tuple[str, str], list[int]] = {}
         self._settled: dict[str, int] = {p: 0 for p in schema.PHASES}  # phase time folded
         self.settled_ns = time.monotonic_ns()  # ... up to here
         self.server: WSGIServer | None = None
@@ -111,6 +114,8 @@ class Exporter:
                                                                  "busy_ns"))):
                     key = (p, dev)
                     self._busy[key] = self._busy.get(key, 0) + int(ns)
+        elif table == "io":
+            self._files(rows)
         elif table == "phase":
             with self._lock:
                 for r in _records(rows):
@@ -136,6 +141,26 @@ class Exporter:
     def lost(self, counts: dict[str, int]) -> None:
         with self._lock:
             self._lost = dict(counts)
+
+    def _files(self, rows) -> None:
+        """What a KV cache's files' calls did. Of a read, the device supplied all of it with
+        O_DIRECT, else what the call put into the page cache (the kernel's count; reads of
+        sessions without that count are left out of the device's share)."""
+        cols = pa.table(rows) if isinstance(rows, pa.RecordBatch) else rows
+        if "cache" not in cols.column_names:
+            return
+        names = ("layer", "op", "cache", "bytes", "flags", "fetched_bytes")
+        with self._lock:
+            for layer, op, cache, nbytes, flags, fetched in zip(*(_col(cols, c)
+                                                                   for c in names)):
+                if layer != "syscall" or not cache or op not in ("read", "write"):
+                    continue
+                acc = self._caches.setdefault((cache, op), [0, 0, 0])
+                acc[0] += 1
+                acc[1] += int(nbytes or 0)
+                if op == "read":
+                    acc[2] += int(nbytes or 0) if int(flags or 0) & schema.FLAG_DIRECT \
+                        else int(fetched or 0)
 
     def _agg(self, rows) -> None:
         cols = pa.table(rows) if isinstance(rows, pa.RecordBatch) else rows
@@ -165,6 +190,7 @@ class Exporter:
             phase_ns = {k: self._closed.get(k, 0) + self._open.get(k, 0)
                         for k in set(self._closed) | set(self._open)}
             settled = dict(self._settled)
+            caches = {k: list(v) for k, v in self._caches.items()}
         labels = ["phase", "op", "layer", "device"]
         nbytes = CounterMetricFamily("kvprof_io_bytes", "Bytes of block and io_uring requests "
                                      "completed, per phase at issue (exact, in-kernel)",
@@ -202,6 +228,21 @@ class Exporter:
                 if pct is not None:
                     idle.add_metric([p, dev], pct / 100)
         yield idle
+        calls = CounterMetricFamily("kvprof_kv_cache_calls", "Read and write calls on the "
+                                    "KV cache files (syscall layer), by cache", labels=["cache",
+                                                                                      "op"])
+        cb = CounterMetricFamily("kvprof_kv_cache_bytes", "Bytes the KV cache files' read and "
+                                 "write calls did, by cache: beside the engine's own count of "
+                                 "its offload", labels=["cache", "op"])
+        dev = CounterMetricFamily("kvprof_kv_cache_device_read_bytes", "Of the KV cache files' "
+                                  "reads, the bytes the device supplied (the rest came from "
+                                  "the page cache)", labels=["cache"])
+        for (cache, op), (n, nb, from_dev) in sorted(caches.items()):
+            calls.add_metric([cache, op], n)
+            cb.add_metric([cache, op], nb)
+            if op == "read":
+                dev.add_metric([cache], from_dev)
+        yield from (calls, cb, dev)
         lo = CounterMetricFamily("kvprof_events_lost", "Events kvprof could not record, by "
                                  "reason", labels=["reason"])
         for reason, n in sorted(lost.items()):

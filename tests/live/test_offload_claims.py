@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_htt
 from kvprof.markers import Marker
 from kvprof.units import human_bytes
 from tests.helpers import aligned, live, mounted_ext4, run_kvprof
+from tests.live.test_prometheus import free_port, get, wait_for
 
 pytestmark = live
 
@@ -136,6 +137,15 @@ def serve(tier: Tier, root: Path, marker: Marker) -> None:
     marker.mark("idle")
 
 
+def files_side(port: int) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = get(f"http://127.0.0.1:{port}/metrics").decode()
+    return {(s.name, s.labels.get("op")): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith("kvprof_kv_cache_")}
+
+
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_the_engines_offload_counts_beside_its_files(engine, loopdev, tmp_path,
                                                      start_recorder):
@@ -143,11 +153,20 @@ def test_the_engines_offload_counts_beside_its_files(engine, loopdev, tmp_path,
     try:
         with mounted_ext4(loopdev, tmp_path / "kv") as root:
             os.sync()
+            port = free_port()
             rec = start_recorder("-d", loopdev, "--layer", "block", "--layer", "syscall",
-                                 "--phases", f"{engine}-metrics={tier.url}")
+                                 "--phases", f"{engine}-metrics={tier.url}",
+                                 "--prometheus", f"127.0.0.1:{port}")
             time.sleep(0.5)  # the source's first scrape: every counter's starting value
             serve(tier, root, Marker(rec.socket))
             time.sleep(0.6)  # a scrape after the last count
+            # For fleets: the files' side, beside the engine's own count of its offload.
+            want = {("kvprof_kv_cache_bytes_total", "read"): STORED * BLOCK,
+                    ("kvprof_kv_cache_bytes_total", "write"): STORED * BLOCK,
+                    ("kvprof_kv_cache_device_read_bytes_total", None): STORED * BLOCK,
+                    ("kvprof_kv_cache_calls_total", "read"): STORED,
+                    ("kvprof_kv_cache_calls_total", "write"): STORED}
+            wait_for(lambda: files_side(port) == want, 10, f"{want} from kvprof's /metrics")
             assert rec.stop() == 0, "".join(rec.stderr_lines)
     finally:
         tier.close()
