@@ -418,17 +418,20 @@ def test_one_reader_at_a_time_is_latency_bound_and_four_side_by_side_are_not(
 # -- the engine's offload claims against its KV cache files, on summaries built by hand --------
 
 def offload(hits: float | None, read: int, written: int, device: int,
-            per_token: float | None = 2048.0, queries: float | None = None) -> dict:
+            per_token: float | None = 2048.0, queries: float | None = None,
+            **more) -> dict:
     r = json.loads(GOLDEN.read_text())
     r.pop("findings")
     r["offload"] = {"hit_tokens": hits, "query_tokens": hits if queries is None else queries,
                     "bytes_per_token": per_token if hits is not None else None,
                     "claimed_read_bytes": None if hits is None or per_token is None
-                    else hits * per_token,
+                    else hits * per_token, "claimed_written_bytes": None,
+                    "engine_load_time_s": None, "engine_store_time_s": None,
                     "files_read_bytes": read, "files_written_bytes": written,
                     "device_read_bytes": device,
                     "page_cache_hit_pct": 100 * (1 - device / read) if read else None,
-                    "caches": ["lmcache-disk"]}
+                    "files_read_busy_s": 0.0, "ttft_total_s": None, "load_wait_pct": None,
+                    "caches": ["lmcache-disk"], **more}
     return r
 
 
@@ -460,5 +463,23 @@ def test_offload_findings_name_each_failure_with_its_figures():
     f = offload_findings(offload(512, 2 * mib, 2 * mib, 2 * mib))["offload-bytes-differ"]
     assert "differ by +100 %" in f["text"]
     assert offload_findings(offload(512, int(1.1 * mib), mib, int(1.1 * mib))) == {}
+    # The engine's stores counted past what its files took (vLLM's fs tier counts keys x
+    # block size, also for files already there): its own count, not hit tokens.
+    f = offload_findings(offload(512, mib, mib, mib, claimed_written_bytes=1.5 * mib)
+                         )["offload-bytes-differ"]
+    assert f["text"] == ("the engine's offloaded bytes written (1.5 MiB: its own count) and its "
+                         "KV cache files' (1.0 MiB) differ by -33 %")
+    assert f["figures"] == {"offload.claimed_written_bytes": 1.5 * mib,
+                            "offload.files_written_bytes": mib, "offload.hit_tokens": 512}
+    # Prefix loads that held the first tokens: from 25 % of the summed TTFT, not below.
+    f = offload_findings(offload(512, mib, mib, mib, files_read_busy_s=0.5, ttft_total_s=2.0,
+                                 load_wait_pct=25.0))["offload-loads-wait"]
+    assert f["text"].startswith("reads of the KV cache files (lmcache-disk) were in flight "
+                                "0.500 s of the 2.000 s the requests waited for their first "
+                                "token (25 %)")
+    assert f["figures"] == {"offload.files_read_busy_s": 0.5, "offload.ttft_total_s": 2.0,
+                            "offload.load_wait_pct": 25.0}
+    assert offload_findings(offload(512, mib, mib, mib, files_read_busy_s=0.49,
+                                    ttft_total_s=2.0, load_wait_pct=24.5)) == {}
     # No claims and no files: nothing to say.
     assert offload_findings(offload(None, 0, 0, 0)) == {}
