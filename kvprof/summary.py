@@ -159,6 +159,9 @@ class Offload(TypedDict):
     """What the engine says its KV offload did beside what the KV caches' files did (the
     caches' read and write calls, all phases of the span)."""
     hit_tokens: float | None  # prompt tokens the connector supplied (the engine's count)
+    # Of the phases' offload_hit_tokens, those that could be in another phase (scraped
+    # counters, shared by time: an interval's over more than one phase); 0 from the plugin.
+    hit_tokens_unsure: float | None
     query_tokens: float | None  # prompt tokens it was asked for
     bytes_per_token: float | None  # the engine's KV bytes a token, where it says
     # What it says it read from its storage tiers (their count, else its hits' bytes) and

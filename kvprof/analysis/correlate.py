@@ -212,12 +212,8 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
         ops = _ops_from_exact(ops, exact, times, sampling, weighted)
         idle = _idle_from_exact(idle, exact)
     capacity = _capacity(ops, times, info.devices)
-    # The connector's hits each step's window carried, in the phase holding that step's end.
-    exact_hits = [n for names in schema.OFFLOAD_BY_ENGINE["hit_tokens"] for n in names
-                  if n in schema.MARK_SERIES]
-    phase_engine = _phase_engine(
-        rows.phase_tokens(t0, t1), times, mixed,
-        _at_window_ends(rows.counter_steps(exact_hits, t0, t1), ws, we, wp))
+    supplied, unsure = _hits_by_phase(rows, t0, t1, ws, we, wp)
+    phase_engine = _phase_engine(rows.phase_tokens(t0, t1), times, mixed, supplied)
     counters = rows.engine_counters(t0, t1)
     phases: dict[str, PhaseStats] = {}
     for p in schema.PHASES:
@@ -279,7 +275,7 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
         "phases": phases,
         "engine": _engine(counters, total_s),
         "offload": _offload(_moved(counters), _bytes_per_token(
-            rows.engine_last(list(schema.KV_SIZE_SERIES), t1)), phases),
+            rows.engine_last(list(schema.KV_SIZE_SERIES), t1)), phases, unsure),
         "exact": exact,
     }
     on_block = info.config.get("io_uring_on_block")
@@ -509,16 +505,50 @@ def _capacity(ops: LayerOpsByPhase, times: dict[str, float], devices: list[dict[
     return out
 
 
-def _at_window_ends(steps: list[tuple[int, float]], ws: np.ndarray, we: np.ndarray,
-                    wp: np.ndarray) -> dict[str, float]:
-    """Counter steps stamped at the end of the window they belong to (a hook's), summed per
-    phase of the piece holding the instant before (idle outside every window); {} for none."""
-    out: dict[str, float] = {}
-    for ts, delta in steps:
-        i = int(np.searchsorted(ws, ts - 1, side="right")) - 1
-        p = str(wp[i]) if i >= 0 and we[i] > ts - 1 else "idle"
-        out[p] = out.get(p, 0.0) + delta
-    return out
+def _hits_by_phase(rows: RowSource, t0: int, t1: int, ws: np.ndarray, we: np.ndarray,
+                   wp: np.ndarray) -> tuple[dict[str, float], float | None]:
+    """The KV connector's hits per phase, and how many of them could be in another phase.
+    Where a hook counted each step (the vLLM plugin): a step's hits in the phase of its
+    window, exact (0 unsure). Else from scrapes: the hits between two scrapes shared by time
+    among the interval's prefill and mixed windows (a connector's tokens come with the step
+    that computes the prompt), or where it has neither among all its phases (time outside
+    every window is idle); those of an interval shared among more than one phase could all
+    be in any of them (unsure). ({}, None: no counts.)"""
+    names = [n for engines in schema.OFFLOAD_BY_ENGINE["hit_tokens"] for n in engines]
+    steps = rows.counter_steps([n for n in names if n in schema.MARK_SERIES], t0, t1)
+    if steps:
+        out: dict[str, float] = {}
+        for _, ts, delta in steps:
+            i = int(np.searchsorted(ws, ts - 1, side="right")) - 1
+            p = str(wp[i]) if i >= 0 and we[i] > ts - 1 else "idle"
+            out[p] = out.get(p, 0.0) + delta
+        return out, 0.0
+    steps = rows.counter_steps([n for n in names if n not in schema.MARK_SERIES], t0, t1)
+    if not steps:
+        return {}, None
+    out, unsure = {}, 0.0
+    for a, b, delta in steps:
+        a, b = max(a, t0), min(b, t1)
+        if b <= a:
+            continue
+        lo = max(int(np.searchsorted(we, a, side="right")), 0)
+        hi = int(np.searchsorted(ws, b, side="left"))
+        took = np.clip(np.minimum(we[lo:hi], b) - np.maximum(ws[lo:hi], a), 0, None)
+        shares: dict[str, float] = {}
+        for p, ns in zip(wp[lo:hi], took):
+            if ns > 0:
+                shares[str(p)] = shares.get(str(p), 0.0) + float(ns)
+        prompts = {p: ns for p, ns in shares.items() if p in ("prefill", "mixed")}
+        if prompts:
+            shares = prompts
+        elif (rest := (b - a) - sum(shares.values())) > 0:
+            shares["idle"] = shares.get("idle", 0.0) + rest
+        total = sum(shares.values())
+        for p, ns in shares.items():
+            out[p] = out.get(p, 0.0) + delta * ns / total
+        if len(shares) > 1:
+            unsure += delta
+    return out, unsure
 
 
 def _moved(counters: list[tuple[str, str, float]]) -> dict[str, float]:
@@ -562,7 +592,7 @@ def _bytes_per_token(last: list[tuple[str, str, str, float]]) -> float | None:
 
 
 def _offload(moved: dict[str, float], bytes_per_token: float | None,
-             phases: dict[str, PhaseStats]) -> Offload:
+             phases: dict[str, PhaseStats], hits_unsure: float | None) -> Offload:
     """The engine's offload figures (schema.OFFLOAD_BY_ENGINE) beside its KV caches' files.
     What it claims to have read: its storage tiers' own count where it keeps one (bytes, else
     tokens at its bytes a token), else its connector's hits at its bytes a token."""
@@ -593,7 +623,8 @@ def _offload(moved: dict[str, float], bytes_per_token: float | None,
             busy += c["read"]["busy_s"]
     ttft = next((moved[num] for num, den in schema.ENGINE_MEANS["ttft_s"] if moved.get(den)),
                 None)
-    return {"hit_tokens": hits, "query_tokens": got.get("query_tokens"),
+    return {"hit_tokens": hits, "hit_tokens_unsure": hits_unsure,
+            "query_tokens": got.get("query_tokens"),
             "bytes_per_token": bytes_per_token,
             "claimed_read_bytes": loaded if loaded is not None else hit_bytes,
             "claimed_written_bytes": tier("stored"),

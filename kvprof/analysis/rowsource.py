@@ -258,9 +258,11 @@ class RowSource:
         labels as JSON, value)."""
         raise NotImplementedError
 
-    def counter_steps(self, names: list[str], t0: int, t1: int) -> list[tuple[int, float]]:
-        """(ts, how far it moved since the series' previous row) for each row in [t0, t1) of
-        the counter series `names`, per label set; a series that went back is left out."""
+    def counter_steps(self, names: list[str], t0: int, t1: int
+                      ) -> list[tuple[int, int, float]]:
+        """(the series' previous row's ts, ts, how far it moved since) for each row in
+        [t0, t1) of the counter series `names`, per label set; a series that went back is
+        left out."""
         raise NotImplementedError
 
     def phase_tokens(self, t0: int, t1: int) -> list[tuple[str, str, float, float]]:
@@ -456,14 +458,17 @@ class SqlRows(RowSource):
         return [(n, labels, float(last - base)) for n, labels, base, last, back in rows
                 if not back and base is not None]
 
-    def counter_steps(self, names: list[str], t0: int, t1: int) -> list[tuple[int, float]]:
+    def counter_steps(self, names: list[str], t0: int, t1: int
+                      ) -> list[tuple[int, int, float]]:
         if not names:
             return []
         try:
-            return [(int(ts), float(d)) for ts, d in self.cur.execute(f"""
-                SELECT ts_ns, value - prev FROM (
-                    SELECT ts_ns, value, lag(value) OVER (PARTITION BY name, labels
-                                                          ORDER BY ts_ns) AS prev
+            return [(int(a), int(b), float(d)) for a, b, d in self.cur.execute(f"""
+                SELECT prev_ts, ts_ns, value - prev FROM (
+                    SELECT ts_ns, value,
+                           lag(value) OVER (PARTITION BY name, labels ORDER BY ts_ns) AS prev,
+                           lag(ts_ns) OVER (PARTITION BY name, labels ORDER BY ts_ns)
+                               AS prev_ts
                     FROM engine_metric WHERE name IN ({", ".join("?" for _ in names)})
                       AND ts_ns < ?)
                 WHERE ts_ns >= ? AND value > prev ORDER BY ts_ns""",
@@ -949,7 +954,8 @@ class LiveRows(RowSource):
     def engine_last(self, names: list[str], t1: int) -> list[tuple[str, str, str, float]]:
         return self.sql.engine_last(names, t1)
 
-    def counter_steps(self, names: list[str], t0: int, t1: int) -> list[tuple[int, float]]:
+    def counter_steps(self, names: list[str], t0: int, t1: int
+                      ) -> list[tuple[int, int, float]]:
         return self.sql.counter_steps(names, t0, t1)
 
     def window_sources(self, t0: int, t1: int) -> list[tuple[str, str, int]]:

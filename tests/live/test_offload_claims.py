@@ -55,12 +55,14 @@ class Tier:
             Info("vllm:cache_config", "cache config", registry=reg).info({
                 "block_size": str(TOKENS_A_BLOCK), "kv_cache_memory_bytes": str(1 << 30),
                 "kv_cache_size_tokens": str((1 << 30) // BYTES_A_TOKEN)})
+            # The scheduler's count of the connector's hits, at the step that loads them.
+            self.hits = Counter("vllm:external_prefix_cache_hits", "hits", labels, registry=reg)
             self.running = Gauge("vllm:num_requests_running", "running", labels, registry=reg)
             self.prompt = Counter("vllm:prompt_tokens", "prompt", labels, registry=reg)
             self.gen = Counter("vllm:generation_tokens", "generated", labels, registry=reg)
             for m in (self.read_bytes, self.read_time, self.write_bytes, self.write_time):
                 m.labels(MODEL, "0", "1:fs")
-            for m in (self.running, self.prompt, self.gen):
+            for m in (self.running, self.prompt, self.gen, self.hits):
                 m.labels(MODEL, "0")  # vLLM creates its series at start
         else:
             labels = ["model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank"]
@@ -90,6 +92,7 @@ class Tier:
 
     def loaded(self, blocks: int, seconds: float) -> None:
         if self.engine == "vllm":
+            self.hits.labels(MODEL, "0").inc(blocks * TOKENS_A_BLOCK)
             self.read_bytes.labels(MODEL, "0", "1:fs").inc(blocks * BLOCK)
             self.read_time.labels(MODEL, "0", "1:fs").inc(seconds)
         else:
@@ -184,6 +187,11 @@ def test_the_engines_offload_counts_beside_its_files(engine, loopdev, tmp_path,
     assert off["claimed_written_bytes"] == (STORED + AGAIN) * BLOCK
     assert off["files_written_bytes"] == STORED * BLOCK
     if engine == "vllm":  # its own times, as it published them
+        # Its hits, scraped, in the prefill that loaded them: the scrape's interval held that
+        # prefill and idle time, so they are the prefill's, none unsure.
+        assert off["hit_tokens"] == STORED * TOKENS_A_BLOCK and off["hit_tokens_unsure"] == 0
+        assert {p: ph["engine"]["offload_hit_tokens"] for p, ph in report["phases"].items()} \
+            == {"prefill": STORED * TOKENS_A_BLOCK, "decode": 0, "mixed": 0, "idle": 0}
         assert off["engine_load_time_s"] == pytest.approx(tier.said["read_s"], rel=1e-9)
         assert off["engine_store_time_s"] == pytest.approx(tier.said["write_s"], rel=1e-9)
     else:  # (SGLang publishes no time of its own for them)
@@ -192,7 +200,7 @@ def test_the_engines_offload_counts_beside_its_files(engine, loopdev, tmp_path,
     differ = found.pop("offload-bytes-differ")
     assert differ["figures"] == {"offload.claimed_written_bytes": (STORED + AGAIN) * BLOCK,
                                  "offload.files_written_bytes": STORED * BLOCK,
-                                 "offload.hit_tokens": None}
+                                 "offload.hit_tokens": off["hit_tokens"]}
     assert "differ by -33 %" in differ["text"], differ["text"]
     assert not found, found
     text = " ".join(run_kvprof("report", str(rec.out)).stdout.split())  # (lines wrapped)

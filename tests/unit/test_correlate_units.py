@@ -308,3 +308,31 @@ def test_an_engine_counted_by_its_plugin_and_its_metrics_is_counted_once():
     assert engine["prompt_tokens"] == 750.0
     assert engine["ttft_s"] == 0.5
     assert engine["generation_tokens"] is None
+
+
+class _Scraped:
+    """A session whose connector hits only a scrape counted: (previous scrape, scrape, hits)."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def counter_steps(self, names, t0, t1):
+        return [] if all(n in schema.MARK_SERIES for n in names) else self.steps
+
+
+def test_scraped_hits_are_shared_among_an_intervals_prompt_phases_and_the_rest_is_unsure():
+    from kvprof.analysis.correlate import _hits_by_phase
+
+    ws, we, wp = flatten(windows((10, 20, "prefill", "manual"), (20, 40, "decode", "manual"),
+                                 (50, 60, "mixed", "manual"), (70, 80, "decode", "manual")),
+                         0, 100)
+    # 0-30: prefill and decode (and idle): all 100 to prefill, sure. 30-65: decode and mixed:
+    # all 60 to mixed, sure. 0-100 again: prefill 10 ns, mixed 10: 40 each, unsure. 85-95:
+    # no window: idle, sure.
+    steps = [(0, 30, 100.0), (30, 65, 60.0), (0, 100, 80.0), (85, 95, 5.0)]
+    got, unsure = _hits_by_phase(_Scraped(steps), 0, 100, ws, we, wp)
+    assert got == {"prefill": 140.0, "mixed": 100.0, "idle": 5.0} and unsure == 80.0
+    # Only decode in the interval: its share by time, decode and idle: unsure.
+    got, unsure = _hits_by_phase(_Scraped([(60, 90, 30.0)]), 0, 100, ws, we, wp)
+    assert got == {"decode": 10.0, "idle": 20.0} and unsure == 30.0
+    assert _hits_by_phase(_Scraped([]), 0, 100, ws, we, wp) == ({}, None)
