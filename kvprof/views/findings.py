@@ -8,10 +8,12 @@ flight at a time is latency-bound whatever the size: more in flight would raise 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from kvprof import schema
 from kvprof.analysis.correlate import MAIN_OPS, phase_layer
-from kvprof.summary import OpStats, PhaseStats, Summary
+from kvprof.caches import OTHER
+from kvprof.summary import MainOp, OpStats, PhaseStats, Summary
 from kvprof.units import human_bytes, human_us, size_label
 
 # Requests at least this large count as bulk transfers, below SMALL_BYTES as point lookups.
@@ -84,6 +86,31 @@ def _little_io(phase: str, ph: PhaseStats, main: tuple[str, str, OpStats]) -> Fi
 
 
 def _phase(phase: str, ph: PhaseStats) -> Finding | None:
+    """What limits one phase, and whose I/O it is; None when the phase took no time."""
+    f = _limit(phase, ph)
+    main = _main_op(ph)
+    return f if f is None or main is None else _whose(f, phase, ph, cast(MainOp, main[1]))
+
+
+def _whose(f: Finding, phase: str, ph: PhaseStats, op: MainOp) -> Finding:
+    """The finding with whose I/O it is, where the syscall layer traced the phase's files:
+    the share of the phase's file calls of its op on the KV caches' files, the rest
+    being other files (logs, weights, the file system's own)."""
+    caches = ph["caches"]
+    total = sum(c[op]["bytes"] for c in caches.values())
+    if not total:
+        return f
+    kv = {name: c[op]["bytes"] for name, c in caches.items() if name != OTHER and c[op]["bytes"]}
+    pct = 100.0 * sum(kv.values()) / total
+    said = (f"{pct:.0f} % of the phase's file {op}s ({human_bytes(total)}) were on KV cache "
+            f"files ({', '.join(sorted(kv))})" if kv else
+            f"none of the phase's file {op}s ({human_bytes(total)}) were on KV cache files")
+    return Finding(f.rule, f.phase, f"{f.text}; {said}", {
+        **f.figures, **{f"phases.{phase}.caches.{name}.{op}.bytes": c[op]["bytes"]
+                        for name, c in caches.items() if c[op]["bytes"]}})
+
+
+def _limit(phase: str, ph: PhaseStats) -> Finding | None:
     """What limits one phase, or None when the phase took no time."""
     if ph["time_s"] <= 0:
         return None

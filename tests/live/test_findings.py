@@ -483,3 +483,24 @@ def test_offload_findings_name_each_failure_with_its_figures():
                                     ttft_total_s=2.0, load_wait_pct=24.5)) == {}
     # No claims and no files: nothing to say.
     assert offload_findings(offload(None, 0, 0, 0)) == {}
+
+
+def test_a_phases_finding_says_whose_io_it_is_where_files_were_traced():
+    """With the syscall layer: the share of the phase's file calls of the op judged that were
+    on KV cache files, the rest other files; nothing added where no file was traced."""
+    mib = 1 << 20
+    summary = by_hand("prefill", "read", size=1 << 20, ios=200, idle=5.0, depth=4.0)
+    plain = judged(summary)
+    cache = {"ios": 1, "bytes": 0, "bandwidth_bytes_per_s": 0.0, "direct_bytes": 0,
+             "busy_s": 0.0}
+    summary["phases"]["prefill"]["caches"] = {
+        "lmcache-disk": {"read": {**cache, "bytes": 3 * mib}, "write": dict(cache)},
+        "other": {"read": {**cache, "bytes": mib}, "write": {**cache, "bytes": 5 * mib}}}
+    f = judged(summary)
+    assert f["text"] == plain["text"] + ("; 75 % of the phase's file reads (4.0 MiB) were on "
+                                         "KV cache files (lmcache-disk)")
+    assert f["figures"] == {**plain["figures"], "phases.prefill.caches.lmcache-disk.read.bytes":
+                            3 * mib, "phases.prefill.caches.other.read.bytes": mib}
+    del summary["phases"]["prefill"]["caches"]["lmcache-disk"]
+    assert judged(summary)["text"].endswith(
+        "; none of the phase's file reads (1.0 MiB) were on KV cache files")
