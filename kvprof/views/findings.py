@@ -44,6 +44,9 @@ BYTES_DIFFER_PCT = 10.0
 # Reads of the KV cache files in flight for at least this share of the requests' summed time
 # to first token: prefix loads wait on storage.
 LOAD_WAIT_PCT = 25.0
+# The files' reads in flight for at most this share of the engine's own load time: the time
+# goes above the storage.
+ABOVE_STORAGE_PCT = 50.0
 # A phase's own finding rests on at least this many requests of one op: fewer are incidental
 # (a file system's journal flushing a few blocks, a log line), not a workload to size for.
 MIN_IOS = 32
@@ -363,6 +366,19 @@ def _offload(summary: Summary) -> list[Finding]:
                 f"{100 * (done - claimed) / claimed:+.0f} %"), {
                     f"offload.claimed_{'read' if op == 'read' else 'written'}_bytes": claimed,
                     f"offload.files_{op}_bytes": done, "offload.hit_tokens": hits}))
+    took, busy = o["engine_load_time_s"], o["files_read_busy_s"]
+    if took and o["caches"] and 100 * busy / took <= ABOVE_STORAGE_PCT:
+        capacity = _capacity_while_loading(summary)
+        cap_txt = "" if capacity is None else (
+            f", the device at {100 - capacity[1]:.0f} % of its calibrated capacity in "
+            f"{capacity[0]}")
+        out.append(Finding("offload-above-storage", None, (
+            f"the engine's loads took {took:.3f} s by its own count, and its KV cache files' "
+            f"reads were in flight {busy:.3f} s of it ({100 * busy / took:.0f} %){cap_txt}: "
+            "the load time goes above the storage (copies, queues, the CPU), not to the "
+            "device"), {"offload.engine_load_time_s": took, "offload.files_read_busy_s": busy,
+                        **({} if capacity is None else {
+                            f"phases.{capacity[0]}.block.capacity_idle_pct": capacity[1]})}))
     wait = o["load_wait_pct"]
     if wait is not None and wait >= LOAD_WAIT_PCT:
         out.append(Finding("offload-loads-wait", None, (
@@ -373,6 +389,18 @@ def _offload(summary: Summary) -> list[Finding]:
                 "offload.files_read_busy_s": o["files_read_busy_s"],
                 "offload.ttft_total_s": o["ttft_total_s"], "offload.load_wait_pct": wait}))
     return out
+
+
+def _capacity_while_loading(summary: Summary) -> tuple[str, float] | None:
+    """(phase, its capacity_idle_pct) of the phase whose KV cache files read the most, where
+    the device is calibrated."""
+    reads = {p: sum(c["read"]["bytes"] for name, c in ph["caches"].items() if name != OTHER)
+             for p, ph in summary["phases"].items()}
+    phase = max(reads, key=lambda p: reads[p], default=None)
+    if phase is None or not reads[phase]:
+        return None
+    idle = summary["phases"][phase]["block"]["capacity_idle_pct"]
+    return None if idle is None else (phase, idle)
 
 
 def findings(summary: Summary) -> list[Finding]:

@@ -481,6 +481,23 @@ def test_offload_findings_name_each_failure_with_its_figures():
                             "offload.load_wait_pct": 25.0}
     assert offload_findings(offload(512, mib, mib, mib, files_read_busy_s=0.49,
                                     ttft_total_s=2.0, load_wait_pct=24.5)) == {}
+    # The engine's loads took far longer than its files' reads were in flight: the time went
+    # above the storage; with the device calibrated, how much of it the loading phase used.
+    s = offload(512, mib, mib, mib, engine_load_time_s=1.0, files_read_busy_s=0.2)
+    f = offload_findings(s)["offload-above-storage"]
+    assert f["text"] == ("the engine's loads took 1.000 s by its own count, and its KV cache "
+                         "files' reads were in flight 0.200 s of it (20 %): the load time goes "
+                         "above the storage (copies, queues, the CPU), not to the device")
+    op = {"ios": 8, "bytes": mib, "bandwidth_bytes_per_s": 0.0, "direct_bytes": mib,
+          "busy_s": 0.2}
+    s["phases"]["prefill"]["caches"] = {"lmcache-disk": {"read": op, "write": {**op, "ios": 0,
+                                                                            "bytes": 0}}}
+    s["phases"]["prefill"]["block"]["capacity_idle_pct"] = 90.0
+    f = offload_findings(s)["offload-above-storage"]
+    assert ", the device at 10 % of its calibrated capacity in prefill:" in f["text"]
+    assert f["figures"]["phases.prefill.block.capacity_idle_pct"] == 90.0
+    assert "offload-above-storage" not in offload_findings(
+        offload(512, mib, mib, mib, engine_load_time_s=1.0, files_read_busy_s=0.51))
     # No claims and no files: nothing to say.
     assert offload_findings(offload(None, 0, 0, 0)) == {}
 
