@@ -201,6 +201,7 @@ def test_the_engines_offload_counts_beside_its_files(engine, loopdev, tmp_path,
     found = {f["rule"]: f for f in report["findings"] if f["rule"].startswith("offload-")}
     if engine == "vllm":  # its loads' time went to its own work, not to the reads
         above = found.pop("offload-above-storage")
+        print(above["text"])
         assert above["figures"] == {"offload.engine_load_time_s": off["engine_load_time_s"],
                                     "offload.files_read_busy_s": off["files_read_busy_s"]}
         assert off["files_read_busy_s"] < 0.5 * COPY_S < off["engine_load_time_s"]
