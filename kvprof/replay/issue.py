@@ -17,6 +17,11 @@ from kvprof.replay.plan import FilePlan, Plan, due_offsets
 JOBS = 8  # replaying threads per lane (reads, writes, syncs): the most in flight in each
 
 
+# What a sleep's wake-up costs here, about (a thread sleeping 10 us wakes 60-100 us later on
+# the 2-core VMs this runs on).
+WAKE_UP_NS = 100_000
+
+
 def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
                     sizes: np.ndarray, lanes: np.ndarray, jobs: int,
                     gate: Gate, segment: np.ndarray, after: np.ndarray | None = None,
@@ -47,15 +52,27 @@ def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
     ordered = any(j >= 0 for j in prev)
     rec = [] if issue_ns is None else np.asarray(issue_ns, np.int64).tolist()
     done_ns = [0] * len(due)
-    completed = threading.Condition()
+    # Who waits for which call: one wake-up a completion, for the thread that waits on it (a
+    # condition shared by all would wake every waiting thread at every call).
+    waiting: dict[int, threading.Event] = {}
+    lock = threading.Lock()
 
     def after_previous(k: int) -> int | None:
         """When call k may go out after its thread's previous call; None: stopping."""
         j = prev[k]
-        with completed:
-            while not done_ns[j] and not errors:
-                completed.wait(0.5)
+        if not done_ns[j]:  # (set once; read without the lock)
+            with lock:
+                ev = None if done_ns[j] else waiting.setdefault(j, threading.Event())
+            while ev is not None and not ev.wait(0.5) and not errors:
+                pass
         return None if errors else done_ns[j] + pause[k]
+
+    def completed(k: int, now: int) -> None:
+        with lock:
+            done_ns[k] = now
+            ev = waiting.pop(k, None)
+        if ev is not None:
+            ev.set()
 
     def work(mine: list[int], order: Iterator[int], view: memoryview) -> None:
         try:
@@ -69,28 +86,30 @@ def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
                     edge = gate.wait(seg[k])
                     if edge is None:
                         return
-                    at = gate.due_in(seg[k], rec[k]) if gate.shift else max(at, edge)
+                    at = gate.due_at(seg[k], rec[k]) if gate.shift else max(at, edge)
                 if prev[k] >= 0:
                     ready = after_previous(k)
                     if ready is None:
                         return
                     at = max(at, ready)
-                # Sleep, never spin: the candidate's I/O needs the CPU.
-                while (wait := at - time.monotonic_ns()) > 0:
+                # Sleep, never spin: the candidate's I/O needs the CPU. A wait shorter than a
+                # wake-up takes is not slept: the call goes out that much early rather than a
+                # wake-up late, which in a recorded thread's run of calls (each due after the
+                # one before) would add up over all that follow.
+                while (wait := at - time.monotonic_ns()) > WAKE_UP_NS:
                     time.sleep(wait / 1e9)
                 do(k, view)
                 now = time.monotonic_ns()
                 gate.done(seg[k], now)
                 if ordered:
-                    with completed:
-                        done_ns[k] = now
-                        completed.notify_all()
+                    completed(k, now)
         except BaseException as e:  # noqa: BLE001 (raised in the caller's thread)
             # The first error ends the replay; run() raises it in the caller's thread.
             errors.append(e)
             gate.abort()
-            with completed:
-                completed.notify_all()
+            with lock:
+                for ev in waiting.values():
+                    ev.set()
 
     # Buffers and threads set up now, before the start: a traced process replaying makes no
     # other calls once it starts.

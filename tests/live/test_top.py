@@ -43,7 +43,7 @@ def _phase(time_s=1.0, idle=None, **ops):
                 "size_hist": {str(size): ios} if ios else {}}
     ph = {"time_s": time_s, "block": {"read": entry(), "write": entry(),
                                       "time_idle_pct": idle},
-          "io_uring": {"read": entry(), "write": entry()}}
+          "io_uring": {"read": entry(), "write": entry()}, "caches": {}}
     for op, kw in ops.items():
         ph["block"][op] = entry(**kw)
     return ph
