@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 
-from kvprof.phases.replayed import UNKNOWN, in_shifted_pieces
+from kvprof.phases.replayed import UNKNOWN
 from kvprof.replay.plan import due_offsets
 from kvprof.schema import SLOT_NS
 
@@ -41,24 +41,18 @@ class Gate:
         with self._cond:
             self._advance()
 
-    def due_at(self, j: int, issue_ns: int) -> int:
-        """due_in for one call, in plain integers (the replaying threads' hot path: numpy on
-        one element costs more than the call it times)."""
-        if j == 0:
-            return self._start + int((issue_ns - self.t0) / self.speed)
-        began = int(self.bounds[j - 1]) if len(self.bounds) else self.t0
-        return int(self.edges[j]) + int((issue_ns - began) / self.speed)
-
     def due_in(self, j: int, issue_ns: int) -> int:
         """When a call recorded at issue_ns, of piece j (whose start is decided), is due in a
         shifting replay (one that keeps each recorded thread's order): at its offset from the
         piece's start. There a piece is due its recorded length after the previous one started,
         not at its time on the recording's clock: a piece the candidate stretched moves every
         later one, as a step that waited longer for its loads moves the engine's next steps
-        (ReplayedWindows maps the windows the same way)."""
-        return int(in_shifted_pieces(np.array([issue_ns], np.int64), np.array([j]),
-                                     self.bounds, self.edges, self._start, self.t0,
-                                     self.speed)[0])
+        (ReplayedWindows maps the windows the same way: in_shifted_pieces, for many at once).
+        In plain integers: the replaying threads ask it for every call."""
+        if j == 0:
+            return self._start + int((issue_ns - self.t0) / self.speed)
+        began = int(self.bounds[j - 1]) if len(self.bounds) else self.t0
+        return int(self.edges[j]) + int((issue_ns - began) / self.speed)
 
     def _advance(self) -> None:
         """Under the condition: decide the start of each next piece whose predecessors are all

@@ -86,7 +86,7 @@ def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
                     edge = gate.wait(seg[k])
                     if edge is None:
                         return
-                    at = gate.due_at(seg[k], rec[k]) if gate.shift else max(at, edge)
+                    at = gate.due_in(seg[k], rec[k]) if gate.shift else max(at, edge)
                 if prev[k] >= 0:
                     ready = after_previous(k)
                     if ready is None:

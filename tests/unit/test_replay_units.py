@@ -216,3 +216,22 @@ def test_a_shifting_gate_keeps_each_pieces_length_and_moves_the_rest():
     got, known = w.warp(np.array([5 * MS, 15 * MS, 25 * MS], np.int64))
     assert known.all()
     assert got.tolist() == [start + 5 * MS, start + 33 * MS, start + 43 * MS]
+
+
+def test_a_calls_due_time_is_where_the_windows_put_its_piece():
+    """The replaying threads' due time for a call (Gate.due_in, one call in integers) is the
+    one ReplayedWindows maps the recording with (in_shifted_pieces, many at once)."""
+    from kvprof.phases.replayed import in_shifted_pieces
+
+    rng = np.random.default_rng(7)
+    for speed in (1.0, 0.5, 3.0):
+        bounds = np.sort(rng.integers(10**9, 2 * 10**9, 5))
+        t0 = 10**9 - 12_345
+        edges = new_edges(len(bounds) + 1, None)
+        edges[:] = np.sort(rng.integers(5 * 10**9, 9 * 10**9, len(edges)))
+        gate = Gate(bounds, np.zeros(1, np.int64), edges, t0, speed, shift=True)
+        gate._start = 4 * 10**9 + 17
+        t = rng.integers(t0, 2 * 10**9, 200)
+        piece = np.searchsorted(bounds, t, side="right")
+        want = in_shifted_pieces(t, piece, bounds, edges, gate._start, t0, speed)
+        assert [gate.due_in(int(j), int(x)) for j, x in zip(piece, t)] == want.tolist()
