@@ -81,11 +81,12 @@ def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
                 if n >= len(mine):
                     return
                 k = mine[n]
-                at = start[0] + due[k]
+                at, edge = start[0] + due[k], start[0]
                 if seg[k]:
-                    edge = gate.wait(seg[k])
-                    if edge is None:
+                    got = gate.wait(seg[k])
+                    if got is None:
                         return
+                    edge = got
                     at = gate.due_in(seg[k], rec[k]) if gate.shift else max(at, edge)
                 if prev[k] >= 0:
                     ready = after_previous(k)
@@ -95,8 +96,11 @@ def _at_their_times(due: list[int], do: Callable[[int, memoryview], None],
                 # Sleep, never spin: the candidate's I/O needs the CPU. A wait shorter than a
                 # wake-up takes is not slept: the call goes out that much early rather than a
                 # wake-up late, which in a recorded thread's run of calls (each due after the
-                # one before) would add up over all that follow.
+                # one before) would add up over all that follow. Never before its phase piece
+                # starts (`edge`): there it would count in the piece before.
                 while (wait := at - time.monotonic_ns()) > WAKE_UP_NS:
+                    time.sleep(wait / 1e9)
+                while (wait := edge - time.monotonic_ns()) > 0:
                     time.sleep(wait / 1e9)
                 do(k, view)
                 now = time.monotonic_ns()
