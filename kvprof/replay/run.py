@@ -48,9 +48,10 @@ def _progress(started: float, total_s: float, done: threading.Event) -> None:
     print(file=sys.stderr)
 
 
-def _replayed(out: Path, under: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The issue times and sizes of the block reads and writes the new session holds, or
-    with `under`, of the file reads and writes on the files there."""
+def _replayed(out: Path, under: Path | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The issue times, sizes and whether a write, of the block reads and writes the new
+    session holds, or with `under`, of the file reads and writes on the files there."""
     from kvprof.store.session import open_session
 
     where, params = "layer = 'block'", []
@@ -59,9 +60,10 @@ def _replayed(out: Path, under: Path | None = None) -> tuple[np.ndarray, np.ndar
     con = open_session(out)
     try:
         got = con.execute(
-            f"SELECT issue_ns, bytes FROM io WHERE {where} AND op IN ('read', 'write') "
-            "AND bytes > 0 ORDER BY issue_ns", params).fetchnumpy()
-        return np.asarray(got["issue_ns"], np.int64), np.asarray(got["bytes"], np.int64)
+            f"SELECT issue_ns, bytes, op = 'write' AS w FROM io WHERE {where} "
+            "AND op IN ('read', 'write') AND bytes > 0 ORDER BY issue_ns", params).fetchnumpy()
+        return (np.asarray(got["issue_ns"], np.int64), np.asarray(got["bytes"], np.int64),
+                np.asarray(got["w"], bool))
     finally:
         con.close()
 
@@ -188,10 +190,10 @@ def _replay_block(got, session: str, on: str, phases: list[str], speed: float, d
         shutil.rmtree(tmp, ignore_errors=True)
         if target.scratch is not None:
             target.scratch.unlink(missing_ok=True)
-    issued, sizes = _replayed(dest)
+    issued, sizes, writes = _replayed(dest)
     return {"requests": len(p.issue_ns), "bytes": int(p.size.sum()),
             "replayed": int(len(issued)), "replayed_bytes": int(sizes.sum()),
-            "lag": lag(p, issued, sizes, speed, start),
+            "lag": lag(p, issued, sizes, writes, speed, start),
             "phases": stretch(got, edges, p, speed, start, issued),
             "scaled_up": None if got.scaled is None else [
                 {"phase": ph, "device": dev, "op": op, "kept": kept, "issued": n}
@@ -284,13 +286,13 @@ def _replay_files(got, session: str, on: str, phases: list[str], speed: float, d
             proc.wait()
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    issued, sizes = _replayed(dest, root)
+    issued, sizes, writes = _replayed(dest, root)
     return {"requests": len(fp.issue_ns), "bytes": int(fp.size.sum()),
             "files": len(fp.paths), "laid_down": {"files": len(fp.lay_down),
                                                   "bytes": sum(fp.lay_down.values())},
             "direct_calls": int(fp.direct.sum()), "syncs": int((fp.kind >= 2).sum()),
             "threads": fp.threads,
             "replayed": int(len(issued)), "replayed_bytes": int(sizes.sum()),
-            "lag": lag(fp, issued, sizes, speed, start,
+            "lag": lag(fp, issued, sizes, writes, speed, start,
                        (got.bounds, edges) if fp.threads else None),
             "phases": stretch(got, edges, fp, speed, start, issued)}

@@ -8,24 +8,36 @@ from kvprof.replay.plan import FilePlan, Plan
 
 
 def lag(p: Plan | FilePlan, issued_ns: np.ndarray, issued_bytes: np.ndarray,
-        speed: float, start_ns: int, shifted: tuple[np.ndarray, np.ndarray] | None = None
-        ) -> dict[str, dict[str, float]]:
+        issued_write: np.ndarray, speed: float, start_ns: int,
+        shifted: tuple[np.ndarray, np.ndarray] | None = None) -> dict[str, dict[str, float]]:
     """Per phase, how late the candidate issued requests against the schedule (the first
     due at `start_ns`, when the new session's windows were moved to), in seconds: for each
-    planned request, when the replay had issued as many bytes as the plan had by then (bytes
-    rather than the k-th request: a device may merge or split them), against when it was
-    due. `shifted` (bounds, edges of a shifting replay, Gate.shift): a request was due at
-    its offset from its piece's start."""
+    planned request, when the replay had issued as many bytes of its kind (reads; writes and
+    syncs) as the plan had by then (bytes rather than the k-th request: a device may merge or
+    split them; by kind, so that a write the new session lacks is not matched to a later
+    read), against when it was due. `shifted` (bounds, edges of a shifting replay,
+    Gate.shift): a request was due at its offset from its piece's start."""
     if len(issued_ns) == 0:
         return {}
-    order = np.argsort(issued_ns, kind="stable")
-    at, done = issued_ns[order], np.cumsum(issued_bytes[order])
-    k = np.minimum(np.searchsorted(done, np.cumsum(p.size), side="left"), len(at) - 1)
+    planned_write = (np.asarray(p.kind) != 0 if isinstance(p, FilePlan)
+                     else np.array([o == "write" for o in p.op], bool))
+    went = np.zeros(len(p.size), np.int64)
+    for w in (False, True):
+        mine = planned_write == w
+        theirs = np.asarray(issued_write, bool) == w
+        if not theirs.any():  # (none of the kind recorded: against all requests)
+            theirs = np.ones(len(issued_ns), bool)
+        order = np.argsort(issued_ns[theirs], kind="stable")
+        at = issued_ns[theirs][order]
+        done = np.cumsum(issued_bytes[theirs][order])
+        k = np.minimum(np.searchsorted(done, np.cumsum(np.asarray(p.size)[mine]),
+                                       side="left"), len(at) - 1)
+        went[mine] = at[k]
     due = start_ns + (p.issue_ns - p.t0) / speed
     if shifted is not None:
         due = in_shifted_pieces(p.issue_ns, np.asarray(p.segment, np.int64), *shifted,
                                 start_ns, p.t0, speed)
-    late = np.maximum(at[k] - due, 0) / 1e9
+    late = np.maximum(went - due, 0) / 1e9
     phases = np.array(p.phase, dtype=object)
     out = {}
     for ph in sorted(set(p.phase)):
