@@ -90,9 +90,15 @@ def _little_io(phase: str, ph: PhaseStats, main: tuple[str, str, OpStats]) -> Fi
 
 def _phase(phase: str, ph: PhaseStats) -> Finding | None:
     """What limits one phase, and whose I/O it is; None when the phase took no time."""
-    f = _limit(phase, ph)
-    main = _main_op(ph)
-    return f if f is None or main is None else _whose(f, phase, ph, cast(MainOp, main[1]))
+    if ph["time_s"] <= 0:
+        return None
+    some = _main_op(ph)
+    if some is None:
+        return Finding("no-io", phase, f"{phase}: no storage I/O in {ph['time_s']:.1f} s",
+                       {f"phases.{phase}.time_s": ph["time_s"]})
+    found = _main_op(ph, MIN_IOS)
+    f = _little_io(phase, ph, some) if found is None else _limit(phase, ph, found)
+    return _whose(f, phase, ph, cast(MainOp, (found or some)[1]))
 
 
 def _whose(f: Finding, phase: str, ph: PhaseStats, op: MainOp) -> Finding:
@@ -113,18 +119,9 @@ def _whose(f: Finding, phase: str, ph: PhaseStats, op: MainOp) -> Finding:
                         for name, c in caches.items() if c[op]["bytes"]}})
 
 
-def _limit(phase: str, ph: PhaseStats) -> Finding | None:
-    """What limits one phase, or None when the phase took no time."""
-    if ph["time_s"] <= 0:
-        return None
+def _limit(phase: str, ph: PhaseStats, found: tuple[str, str, OpStats]) -> Finding:
+    """What limits one phase, from `found`: its `_main_op` of at least MIN_IOS requests."""
     base = f"phases.{phase}"
-    some = _main_op(ph)
-    if some is None:
-        return Finding("no-io", phase, f"{phase}: no storage I/O in {ph['time_s']:.1f} s",
-                       {f"{base}.time_s": ph["time_s"]})
-    found = _main_op(ph, MIN_IOS)
-    if found is None:
-        return _little_io(phase, ph, some)
     layer, op, e = found
     at = f"{base}.{layer}.{op}"
     idle = ph["block"].get("time_idle_pct")

@@ -521,3 +521,13 @@ def test_a_phases_finding_says_whose_io_it_is_where_files_were_traced():
     del summary["phases"]["prefill"]["caches"]["lmcache-disk"]
     assert judged(summary)["text"].endswith(
         "; none of the phase's file reads (1.0 MiB) were on KV cache files")
+    # Whose I/O is that of the op judged: writes with enough requests, though 10 reads moved
+    # more bytes.
+    summary = by_hand("prefill", "write", size=4096, ios=5000, idle=99.0, depth=1.0)
+    summary["phases"]["prefill"]["block"]["read"].update(ios=10, bytes=100 * mib)
+    summary["phases"]["prefill"]["caches"] = {
+        "lmcache-disk": {"read": {**cache, "bytes": 100 * mib}, "write": {**cache, "bytes": mib}},
+        "other": {"read": dict(cache), "write": {**cache, "bytes": mib}}}
+    f = judged(summary)
+    assert f["text"].startswith("prefill writes") and f["text"].endswith(
+        "; 50 % of the phase's file writes (2.0 MiB) were on KV cache files (lmcache-disk)")
