@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from peers import Tool, _libbpf, attach, detach  # noqa: E402
+from peers import Tool, _kvprof, _libbpf, attach, detach  # noqa: E402
 
 from tests import slow_device  # noqa: E402
 from tests.engine import vllm_server  # noqa: E402
@@ -82,14 +82,6 @@ def mix(server, seed: int, requests: int) -> dict[str, float]:
             "itl_p99": q(gaps, 99), "tokens_per_s": len(ttfts) * TOKENS / took}
 
 
-def kvprof(*flags: str, socket: str | None = None):
-    def argv(dev: str, tmp: Path) -> list[str]:
-        out = tmp / f"kv-{time.monotonic_ns()}"
-        return [sys.executable, "-m", "kvprof", "record", "-d", dev, "-o", str(out),
-                "--socket", socket or str(tmp / "m.sock"), *flags]
-    return argv
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -118,9 +110,9 @@ def main() -> int:
             tools = [Tool("biolatency (libbpf-tools)",
                           _libbpf("biolatency", "-d", "{disk}", "3600", "1"),
                           r"Tracing block device"),
-                     Tool("kvprof (default)", kvprof(), r"Hit Ctrl-C"),
+                     Tool("kvprof (default)", _kvprof(), r"Hit Ctrl-C"),
                      Tool("kvprof -p ENGINE --layer syscall + plugin",
-                          kvprof(*pids, "--layer", "block", "--layer", "syscall",
+                          _kvprof(*pids, "--layer", "block", "--layer", "syscall",
                                  "--phases", "vllm-plugin", socket=server.marks_socket),
                           r"Hit Ctrl-C")]
             ratios: dict[str, dict[str, list[float]]] = {t.name: {} for t in tools}

@@ -102,11 +102,12 @@ def _bpftrace(program: str) -> Callable[[str, Path], list[str] | None]:
     return argv
 
 
-def _kvprof(*flags: str) -> Callable[[str, Path], list[str] | None]:
+def _kvprof(*flags: str, socket: str | None = None) -> Callable[[str, Path], list[str] | None]:
+    """`socket`: where its marker socket listens (an engine's plugin sends there)."""
     def argv(dev: str, tmp: Path) -> list[str]:
         out = tmp / f"kv-{time.monotonic_ns()}"
         return [sys.executable, "-m", "kvprof", "record", "-d", dev, "-o", str(out),
-                "--socket", str(tmp / "m.sock"), *flags]
+                "--socket", socket or str(tmp / "m.sock"), *flags]
     return argv
 
 

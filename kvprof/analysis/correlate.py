@@ -531,7 +531,7 @@ def _hits_by_phase(rows: RowSource, t0: int, t1: int, ws: np.ndarray, we: np.nda
         a, b = max(a, t0), min(b, t1)
         if b <= a:
             continue
-        lo = max(int(np.searchsorted(we, a, side="right")), 0)
+        lo = int(np.searchsorted(we, a, side="right"))
         hi = int(np.searchsorted(ws, b, side="left"))
         took = np.clip(np.minimum(we[lo:hi], b) - np.maximum(ws[lo:hi], a), 0, None)
         shares: dict[str, float] = {}
