@@ -30,6 +30,13 @@ static __always_inline void decode_cmd(u32 cmd, u8 *op, u16 *flags)
     *flags = fl;
 }
 
+/* struct request's queue, op and flags, and size, read in one bpf_probe_read_kernel (they
+ * sit within its first 64 bytes on every kernel kvprof runs on; the check below holds it). */
+#define RQ_LO KVPROF_MIN(KVPROF_RQ_Q, KVPROF_MIN(KVPROF_RQ_CMD_FLAGS, KVPROF_RQ_DATA_LEN))
+#define RQ_HI KVPROF_MAX(KVPROF_RQ_Q + 8, KVPROF_MAX(KVPROF_RQ_CMD_FLAGS + 4, \
+                                                    KVPROF_RQ_DATA_LEN + 4))
+_Static_assert(RQ_HI - RQ_LO <= 128, "struct request's first fields are far apart");
+
 /* The request queue whose disk a CPU saw last: most requests on a CPU go to the same device,
  * so its number, index and whether the device filter lets it through are read once rather
  * than per request. Only a device the filter lets through is kept: user space fills the
@@ -43,9 +50,8 @@ BPF_PERCPU_ARRAY(last_queue, struct queue_dev, 1);
 
 /* The whole disk's dev_t (MKDEV(major, first_minor)), as the block tracepoints report it,
  * and its index for dev_state; 0 (and *ok 0) when the device filter leaves it out. */
-static __always_inline u32 rq_dev(void *rq, u32 *idx, int *ok)
+static __always_inline u32 rq_dev(void *q, u32 *idx, int *ok)
 {
-    void *q = KVPROF_FIELD(void *, rq, KVPROF_RQ_Q);
     int zero = 0;
     struct queue_dev *last = last_queue.lookup(&zero);
     *ok = 1;
@@ -95,10 +101,9 @@ static __always_inline void forget_unseen(struct kvprof_inflight *s, u64 now)
 
 /* A request starts: inserted into a scheduler queue (issue_ns 0 for now) or issued straight
  * to the driver. */
-static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, u32 di,
-                                  u64 insert_ns, u64 issue_ns)
+static __always_inline void track(struct kvprof_inflight *s, u32 cmd, u32 bytes, u32 dev,
+                                  u32 di, u64 insert_ns, u64 issue_ns)
 {
-    u32 cmd = KVPROF_FIELD(u32, rq, KVPROF_RQ_CMD_FLAGS);
     u16 flags;
     decode_cmd(cmd, &s->op, &flags);
     u64 id = bpf_get_current_pid_tgid();
@@ -108,7 +113,7 @@ static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, 
     s->issue_ns = issue_ns;
     s->dev = dev;
     s->dev_idx = di;
-    s->bytes = KVPROF_FIELD(u32, rq, KVPROF_RQ_DATA_LEN);
+    s->bytes = bytes;
     s->done = 0;
     s->layer = KVPROF_LAYER_BLOCK;
     s->flags = kvprof_start_event(s, id >> 32, (u32)id, flags);
@@ -121,9 +126,11 @@ static __always_inline void track(void *rq, struct kvprof_inflight *s, u32 dev, 
 static __always_inline int rq_start(void *rq, int issue)
 {
     u64 now = bpf_ktime_get_ns(); /* before the lookups: they are not the request's time */
+    KVPROF_SPAN(r, rq, RQ_LO, RQ_HI);
+    u32 bytes = KVPROF_AT(u32, r, RQ_LO, KVPROF_RQ_DATA_LEN);
     u32 di;
     int ok;
-    u32 dev = rq_dev(rq, &di, &ok);
+    u32 dev = rq_dev(KVPROF_AT(void *, r, RQ_LO, KVPROF_RQ_Q), &di, &ok);
     if (!ok)
         return 0;
     int found;
@@ -136,13 +143,14 @@ static __always_inline int rq_start(void *rq, int issue)
              * merges after insert can grow the request, the issued size is the real one. */
             if (issue) {
                 s->issue_ns = now;
-                s->bytes = KVPROF_FIELD(u32, rq, KVPROF_RQ_DATA_LEN);
+                s->bytes = bytes;
             }
             return 0;
         }
         forget_unseen(s, now); /* started before and its completion never seen: afresh */
     }
-    track(rq, s, dev, di, issue ? 0 : now, issue ? now : 0);
+    track(s, KVPROF_AT(u32, r, RQ_LO, KVPROF_RQ_CMD_FLAGS), bytes, dev, di, issue ? 0 : now,
+          issue ? now : 0);
     return 0;
 }
 
@@ -180,7 +188,7 @@ RAW_TRACEPOINT_PROBE(block_rq_complete)
     if (!s) {
         u32 di;
         int ok;
-        u32 dev = rq_dev(rq, &di, &ok);
+        u32 dev = rq_dev(KVPROF_FIELD(void *, rq, KVPROF_RQ_Q), &di, &ok);
         if (!ok)
             return 0;
         if (nr_bytes != 0) {

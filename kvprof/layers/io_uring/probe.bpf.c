@@ -46,11 +46,66 @@ struct uring_raw_val {
 };
 BPF_TABLE("lru_hash", u64, struct uring_raw_val, uring_raw, 4096);
 
+/* The ring each CPU last found in uring_raw, as the table stood then (`gen`): most requests
+ * on a CPU come from one ring, and a per-CPU array read is a fraction of a hash lookup on
+ * the CPU that submits. Every change to uring_raw moves uring_gen on, which voids every
+ * CPU's copy (changes come with a ring's first completions and a ring's end, not per I/O). */
+struct uring_seen {
+    u64 ring;
+    u64 gen;
+    struct uring_raw_val v;
+};
+BPF_PERCPU_ARRAY(uring_last, struct uring_seen, 1);
+BPF_ARRAY(uring_gen, u64, 1);
+
+static __always_inline void raw_changed(void)
+{
+    int zero = 0;
+    u64 *gen = uring_gen.lookup(&zero);
+    if (gen)
+        __sync_fetch_and_add(gen, 1);
+}
+
+/* Whether the ring's requests go to a raw block device; its file and inode in *out. */
+static __always_inline int raw_ring(u64 ring, struct uring_raw_val *out)
+{
+    int zero = 0;
+    u64 *gen = uring_gen.lookup(&zero);
+    struct uring_seen *last = uring_last.lookup(&zero);
+    if (!gen || !last)
+        return 0;
+    u64 g = *gen;
+    if (last->ring == ring && last->gen == g) {
+        *out = last->v;
+        return 1;
+    }
+    struct uring_raw_val *v = uring_raw.lookup(&ring);
+    if (!v)
+        return 0;
+    *out = *v;
+    /* (the copy void while it is written: the completion's program may run nested in the
+     * submission's on this CPU) */
+    last->gen = (u64)-1;
+    asm volatile("" ::: "memory");
+    last->ring = ring;
+    last->v = *v;
+    asm volatile("" ::: "memory");
+    last->gen = g;
+    return 1;
+}
+
 /* The ring's requests go to a raw block device: `file`, its `inode`. */
 static __always_inline void mark_raw(u64 ring, u64 file, u64 inode)
 {
     struct uring_raw_val v = {file, inode};
     uring_raw.update(&ring, &v);
+    raw_changed();
+}
+
+static __always_inline void unmark_raw(u64 ring)
+{
+    uring_raw.delete(&ring);
+    raw_changed();
 }
 
 /* Whether `file` is a raw block device opened O_DIRECT; its inode in *inode. */
@@ -79,16 +134,15 @@ static __always_inline int raw_block_file(void *file, u64 *inode)
 RAW_TRACEPOINT_PROBE(io_uring_create)
 {
 #ifndef KVPROF_URING_ALL
-    u64 ring = ctx->args[1];
-    uring_raw.delete(&ring);
+    unmark_raw(ctx->args[1]);
 #endif
     return 0;
 }
 
-/* io_uring_submit_req(struct io_kiocb *req) */
+/* io_uring_submit_req(struct io_kiocb *req). A request left to the block layer is told
+ * apart first, before anything else is spent on it, its clock read included. */
 RAW_TRACEPOINT_PROBE(io_uring_submit_req)
 {
-    u64 now = bpf_ktime_get_ns(); /* before the lookups: they are not the request's time */
     void *req = (void *)ctx->args[0];
     KVPROF_SPAN(k, req, IOK_SUB_LO, IOK_SUB_HI);
     u8 opcode = KVPROF_AT(u8, k, IOK_SUB_LO, KVPROF_IOK_OPCODE);
@@ -100,12 +154,13 @@ RAW_TRACEPOINT_PROBE(io_uring_submit_req)
     if (!kvprof_task_allowed(tgid))
         return 0;
 #ifndef KVPROF_URING_ALL
-    u64 ring = KVPROF_AT(u64, k, IOK_SUB_LO, KVPROF_IOK_CTX);
-    if (uring_raw.lookup(&ring)) {
+    struct uring_raw_val raw;
+    if (raw_ring(KVPROF_AT(u64, k, IOK_SUB_LO, KVPROF_IOK_CTX), &raw)) {
         kvprof_count(KVPROF_URING_ON_BLOCK);
         return 0;
     }
 #endif
+    u64 now = bpf_ktime_get_ns(); /* before the slot's lookup: it is not the request's time */
     int found;
     struct kvprof_inflight *s = kvprof_slot_data(kvprof_claim((u64)req, &found));
     if (!s)
@@ -120,10 +175,12 @@ RAW_TRACEPOINT_PROBE(io_uring_submit_req)
     return 0;
 }
 
-/* io_uring_complete(struct io_ring_ctx *ctx, void *req, struct io_uring_cqe *cqe) */
+/* io_uring_complete(struct io_ring_ctx *ctx, void *req, struct io_uring_cqe *cqe). The clock
+ * is read once the request is known to be one of ours: most completions on a host running
+ * raw-device I/O are not, and the read is a good part of what this program costs (a VM's
+ * clock: ~27 ns, benchmarks/RESULTS.md). */
 RAW_TRACEPOINT_PROBE(io_uring_complete)
 {
-    u64 now = bpf_ktime_get_ns();
     /* Completions of other opcodes (and of filtered tasks) have no slot by design, so a miss
      * is not counted as a loss here. */
     int slot = kvprof_find(ctx->args[1]);
@@ -135,24 +192,25 @@ RAW_TRACEPOINT_PROBE(io_uring_complete)
     if (!s) {
         /* Left at submission because of its ring? Then it went where the ring's others did:
          * the same open file (and inode, should the file have been freed and reused). */
-        struct uring_raw_val *v = uring_raw.lookup(&ring);
-        if (!v)
+        struct uring_raw_val v;
+        if (!raw_ring(ring, &v))
             return 0;
         KVPROF_SPAN(k, req, IOK_END_LO, IOK_END_HI);
         if (uring_op(KVPROF_AT(u8, k, IOK_END_LO, KVPROF_IOK_OPCODE)) == KVPROF_OP_OTHER)
             return 0;
         u64 file = KVPROF_AT(u64, k, IOK_END_LO, KVPROF_IOK_FILE);
-        if (file == v->file &&
-            KVPROF_FIELD(u64, (void *)file, KVPROF_FILE_INODE) == v->inode)
+        if (file == v.file &&
+            KVPROF_FIELD(u64, (void *)file, KVPROF_FILE_INODE) == v.inode)
             return 0;
         if (raw_block_file((void *)file, &inode)) {
             mark_raw(ring, file, inode); /* another open of a raw device */
             return 0;
         }
-        uring_raw.delete(&ring);
+        unmark_raw(ring);
         kvprof_count(KVPROF_LOST_URING_SKIPPED);
         return 0;
     }
+    u64 now = bpf_ktime_get_ns();
     u64 file = KVPROF_FIELD(u64, req, KVPROF_IOK_FILE);
     if (raw_block_file((void *)file, &inode)) {
         mark_raw(ring, file, inode);
@@ -163,6 +221,7 @@ RAW_TRACEPOINT_PROBE(io_uring_complete)
 #else
     if (!s)
         return 0;
+    u64 now = bpf_ktime_get_ns();
 #endif
     s32 res = KVPROF_FIELD(s32, (void *)ctx->args[2], KVPROF_CQE_RES);
     struct kvprof_io e = {};

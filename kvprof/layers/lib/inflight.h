@@ -7,8 +7,9 @@
 /* ---- Requests in flight ------------------------------------------------------------------
  * The device layers follow each request from start to completion by the kernel's own pointer
  * to it (struct request, struct io_kiocb), in a table of plain arrays: the keys in buckets of
- * eight (one cache line, so a lookup touches one line), each claimed by compare-and-swap and
- * freed by writing 0, and beside them the requests' data. Unlike a BPF hash map there is no
+ * eight (64 bytes: one cache line where an array map's values start on one; on 6.18 they
+ * start 56 bytes past one, and buckets padded onto single lines measured no cheaper), each
+ * claimed by compare-and-swap and freed by writing 0, and beside them the requests' data. Unlike a BPF hash map there is no
  * bucket lock and no element allocation per request, which was most of the probes' cost per
  * I/O (DESIGN.md, "Two capture tiers"). A request whose bucket is full (more than eight in
  * flight hashing together, out of KVPROF_INFLIGHT_SLOTS) is counted as lost
