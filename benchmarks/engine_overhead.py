@@ -16,6 +16,9 @@ asked again with a new tail after the engine's own prefix cache is dropped, so i
 back from the device. Measured by a streaming client: time to first token and the gaps between
 the tokens after it, per request; the engine's generated tokens a second over the mix.
 
+One more kvprof default run has its recorder stopped (SIGSTOP) once attached and resumed after the
+mix: the probes' share of the default's cost apart from the recorder process's.
+
 Printed per tool: TTFT and inter-token p50 and p99 and throughput, each the median over rounds
 of the ratio to the round's own nothing-attached run, with the spread (min..max); and the noise:
 the same ratio between two nothing-attached runs of each round (the second after all tools).
@@ -44,6 +47,9 @@ from tests.engine import vllm_server  # noqa: E402
 from tests.helpers import mounted_ext4  # noqa: E402
 
 WORDS, TAIL, TOKENS = 1500, 40, 32
+# kvprof's default with its process stopped once attached: the probes run, nothing drains
+# them; what it costs is the probes' part of the default's cost, the rest the recorder's.
+STOPPED = "kvprof (default), recorder stopped"
 
 
 def stream(server, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
@@ -111,6 +117,7 @@ def main() -> int:
                           _libbpf("biolatency", "-d", "{disk}", "3600", "1"),
                           r"Tracing block device"),
                      Tool("kvprof (default)", _kvprof(), r"Hit Ctrl-C"),
+                     Tool(STOPPED, _kvprof(), r"Hit Ctrl-C"),
                      Tool("kvprof -p ENGINE --layer syscall + plugin",
                           _kvprof(*pids, "--layer", "block", "--layer", "syscall",
                                  "--phases", "vllm-plugin", socket=server.marks_socket),
@@ -127,10 +134,14 @@ def main() -> int:
                     if isinstance(proc, str):
                         print(f"{tool.name}: {proc}", file=sys.stderr)
                         continue
+                    if tool.name == STOPPED:
+                        proc.send_signal(signal.SIGSTOP)
                     try:
                         got = mix(server, seed, args.requests)
                         seed += 1
                     finally:
+                        if tool.name == STOPPED:
+                            proc.send_signal(signal.SIGCONT)
                         detach(proc, signal.SIGINT)
                     for k, v in got.items():
                         ratios[tool.name].setdefault(k, []).append(v / base[k])
