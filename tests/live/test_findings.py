@@ -356,13 +356,13 @@ def test_one_reader_at_a_time_is_latency_bound_and_four_side_by_side_are_not(
     rec = start_recorder("-d", dev.name, "--layer", "block")
     marks = Marker(rec.socket)
     size, span = 256 << 10, 1 << 30
-    kernel = {}
+    kernel, window_ms = {}, {}
     settle(dev.name)
     for phase, readers in (("prefill", 1), ("decode", 4)):
         threads = [threading.Thread(target=direct_random_reads,
                                     args=(dev.name, READS_EACH, span, size, 11 + i))
                    for i in range(readers)]
-        s0 = read_stat(dev.name)
+        t0, s0 = time.monotonic(), read_stat(dev.name)
         assert marks.mark(phase)
         for t in threads:
             t.start()
@@ -370,6 +370,7 @@ def test_one_reader_at_a_time_is_latency_bound_and_four_side_by_side_are_not(
             t.join()
         assert marks.mark("idle")
         kernel[phase] = stat_delta(s0, read_stat(dev.name))
+        window_ms[phase] = (time.monotonic() - t0) * 1e3
         time.sleep(0.2)
     assert rec.stop() == 0
     report = rec.report()
@@ -380,14 +381,18 @@ def test_one_reader_at_a_time_is_latency_bound_and_four_side_by_side_are_not(
         block, k = ph["block"], kernel[phase]
         ex = report["exact"]["phases"][phase]["devices"][dev.name]
         depth[phase] = block["inflight_mean"]
-        by_kernel = k[TIME_IN_QUEUE] / k[IO_TICKS]
+        # The kernel's busy time (io_ticks, whole jiffies) once counted the idle gap before the
+        # four readers' burst as busy: 960 ms in a window under 0.8 s (CI, kernel 6.18). No
+        # device is busy longer than the window its two reads bracket, so that is its bound.
+        busy_ms = min(k[IO_TICKS], window_ms[phase])
+        by_kernel = k[TIME_IN_QUEUE] / busy_ms
         rd = block["read"]
         print(f"{phase}: {readers} reader(s), {rd['ios']} reads of 256 KiB in "
               f"{ph['time_s']:.2f} s, {rd['bandwidth_bytes_per_s'] / 1e6:.0f} MB/s, p50 "
               f"{rd['latency_us']['p50']:.0f} us, idle {block['time_idle_pct']:.1f} %; in "
               f"flight while busy: events {block['inflight_mean']:.3f}, exact "
               f"{ex['inflight_mean']:.3f}, kernel {by_kernel:.3f} ({k[TIME_IN_QUEUE]} ms "
-              f"over {k[IO_TICKS]} ms busy)")
+              f"over {k[IO_TICKS]} ms busy in a {window_ms[phase]:.0f} ms window)")
         assert_kernel_count(rd["ios"], k[READ_IOS], report)
         assert k[READ_IOS] == readers * READS_EACH
         assert block["devices"][dev.name]["inflight_mean"] == block["inflight_mean"]
