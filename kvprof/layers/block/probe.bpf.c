@@ -31,7 +31,8 @@ static __always_inline void decode_cmd(u32 cmd, u8 *op, u16 *flags)
 }
 
 /* struct request's queue, op and flags, and size, read in one bpf_probe_read_kernel (they
- * sit within its first 64 bytes on every kernel kvprof runs on; the check below holds it). */
+ * sit within its first 128 bytes on every kernel kvprof runs on, 48 on 6.18; the check below
+ * holds it). */
 #define RQ_LO KVPROF_MIN(KVPROF_RQ_Q, KVPROF_MIN(KVPROF_RQ_CMD_FLAGS, KVPROF_RQ_DATA_LEN))
 #define RQ_HI KVPROF_MAX(KVPROF_RQ_Q + 8, KVPROF_MAX(KVPROF_RQ_CMD_FLAGS + 4, \
                                                     KVPROF_RQ_DATA_LEN + 4))

@@ -210,7 +210,6 @@ RAW_TRACEPOINT_PROBE(io_uring_complete)
         kvprof_count(KVPROF_LOST_URING_SKIPPED);
         return 0;
     }
-    u64 now = bpf_ktime_get_ns();
     u64 file = KVPROF_FIELD(u64, req, KVPROF_IOK_FILE);
     if (raw_block_file((void *)file, &inode)) {
         mark_raw(ring, file, inode);
@@ -221,8 +220,8 @@ RAW_TRACEPOINT_PROBE(io_uring_complete)
 #else
     if (!s)
         return 0;
-    u64 now = bpf_ktime_get_ns();
 #endif
+    u64 now = bpf_ktime_get_ns();
     s32 res = KVPROF_FIELD(s32, (void *)ctx->args[2], KVPROF_CQE_RES);
     struct kvprof_io e = {};
     e.issue_ns = s->issue_ns;
