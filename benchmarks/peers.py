@@ -121,6 +121,7 @@ TOOLS = (
     Tool("kvprof --layer block --no-events", _kvprof("--layer", "block", "--no-events"),
          r"Hit Ctrl-C"),
     Tool("kvprof --no-events", _kvprof("--no-events"), r"Hit Ctrl-C"),
+    Tool("kvprof --layer block", _kvprof("--layer", "block"), r"Hit Ctrl-C"),
     Tool("kvprof (default)", _kvprof(), r"Hit Ctrl-C"),
     # Both layers named: io_uring traces the raw device's requests too (the default leaves
     # them to the block layer), what the default did before #24.

@@ -99,16 +99,11 @@ class Store:
     def append(self, table: str, data: pa.RecordBatch | pa.Table | None) -> int:
         if data is None or data.num_rows == 0:
             return 0
-        self.con.register("_kvprof_batch", data)
-        try:
-            self.con.execute(f"INSERT INTO {table} SELECT * FROM _kvprof_batch")
-        except duckdb.Error:
-            try:
-                self.con.unregister("_kvprof_batch")
-            except duckdb.Error:
-                pass  # refused by the transaction the insert aborted: its error says why
-            raise
-        self.con.unregister("_kvprof_batch")
+        # DuckDB finds the batch by its name among this frame's locals (a replacement scan):
+        # one call, where registering and unregistering it cost two more (0.9 ms of CPU an
+        # append against 1.4 here, 200 rows).
+        _kvprof_rows = data  # noqa: F841 - read by name in the statement below
+        self.con.execute(f"INSERT INTO {table} SELECT * FROM _kvprof_rows")
         return data.num_rows
 
     def replace(self, table: str, data: pa.RecordBatch | pa.Table | None) -> None:
