@@ -16,9 +16,11 @@ Tools (each where it runs on this host; one that cannot attach is reported, not 
 - bpftrace with empty programs on block_rq_issue/complete (the floor of a tracer there), and
   with a biolatency program on the same tracepoints (its own biolatency.bt uses kprobes, which
   this kernel lacks);
-- kvprof `record` in its modes: `--layer block --no-events`, `--no-events`, the default,
-  and both layers named (`--layer block --layer io_uring`: io_uring traces the raw device's
-  requests too, which the default leaves to the block layer).
+- kvprof `record` in its modes: `--layer block --no-events`, `--no-events`, `--layer block`,
+  the default, and both layers named (`--layer block --layer io_uring`: io_uring traces the
+  raw device's requests too, which the default leaves to the block layer); and two of them
+  with the recorder stopped (SIGSTOP) once attached, so that the probes run and nothing in
+  user space does: against the same mode running, what the recorder's process costs.
 
 Jobs: 4 KiB random reads through io_uring at QD32 and psync at QD1 (IOPS), and buffered
 1 MiB sequential writes ending in fsync (MB/s: the page cache, writeback and the device).
@@ -70,6 +72,9 @@ class Tool:
     argv: Callable[[str, Path], list[str] | None]  # (device, scratch dir) -> argv, None: absent
     ready: str  # a regex of the line it prints once attached
     stop: int = signal.SIGINT
+    # Stopped (SIGSTOP) once attached and resumed before it is detached: its probes run and
+    # nothing in user space does; against the same tool running, what its process costs.
+    paused: bool = False
 
 
 def _which(*names: str) -> str | None:
@@ -122,6 +127,10 @@ TOOLS = (
          r"Hit Ctrl-C"),
     Tool("kvprof --no-events", _kvprof("--no-events"), r"Hit Ctrl-C"),
     Tool("kvprof --layer block", _kvprof("--layer", "block"), r"Hit Ctrl-C"),
+    Tool("kvprof --layer block --no-events, stopped", _kvprof("--layer", "block",
+                                                              "--no-events"),
+         r"Hit Ctrl-C", paused=True),
+    Tool("kvprof (default), stopped", _kvprof(), r"Hit Ctrl-C", paused=True),
     Tool("kvprof (default)", _kvprof(), r"Hit Ctrl-C"),
     # Both layers named: io_uring traces the raw device's requests too (the default leaves
     # them to the block layer), what the default did before #24.
@@ -256,10 +265,14 @@ def main() -> int:
                         absent[tool.name] = " ".join(got.split())
                         print(f"{tool.name}: not measured ({got})", flush=True)
                         continue
+                    if tool.paused:
+                        got.send_signal(signal.SIGSTOP)
                     traced = fio(dev, JOBS[job], args.runtime)
                     if args.bpf_stats:
                         costs.setdefault((job, tool.name), []).append(
                             bpf_costs(dev, JOBS[job], args.runtime))
+                    if tool.paused:
+                        got.send_signal(signal.SIGCONT)
                     detach(got, tool.stop)
                     after = fio(dev, JOBS[job], args.runtime)
                     ratio = traced / ((before + after) / 2)

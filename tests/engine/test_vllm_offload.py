@@ -737,7 +737,14 @@ def test_a_replay_on_a_slow_candidate_against_the_engine_run_there(loopdev, slow
         # Bandwidth over prefill's time, the candidate's with the fast run's own work.
         assert abs(x["bandwidth_bytes_per_s"] / (y["bytes"] / held_s) - 1) <= 0.25, lines
         # The device's latency itself moves with the VM's CPU (its server is user space:
-        # nbdkit, FUSE): held to what the probes measured around each run.
+        # nbdkit, FUSE): held to what the probes measured around each run. The engine loads
+        # while its step waits, but stores while its next step computes on both CPUs, which
+        # then slows the device's server too (seen on CI: its 384 KiB writes at p50 4.5 ms
+        # against the replay's 3.0, reads 2.78 against 2.72, probes 0.995); the replay
+        # computes nothing. So a read is held both ways, a write only to be no slower.
         x, y = (sessions[n]["phases"]["prefill"]["block"][op]["latency_us"]["p50"]
                 for n in ("replay", "candidate"))
-        assert abs(x / y / drift - 1) <= 0.25, lines
+        if op == "read":
+            assert abs(x / y / drift - 1) <= 0.25, lines
+        else:
+            assert x / y / drift - 1 <= 0.25, lines
