@@ -381,8 +381,8 @@ def test_one_reader_at_a_time_is_latency_bound_and_four_side_by_side_are_not(
         block, k = ph["block"], kernel[phase]
         ex = report["exact"]["phases"][phase]["devices"][dev.name]
         depth[phase] = block["inflight_mean"]
-        # The kernel's busy time (io_ticks, whole jiffies) once counted the idle gap before the
-        # four readers' burst as busy: 960 ms in a window under 0.8 s (CI, kernel 6.18). No
+        # The kernel's busy time (io_ticks, whole jiffies) once read 960 ms for the four
+        # readers in a window under 0.8 s (CI, kernel 6.18): idle time counted as busy. No
         # device is busy longer than the window its two reads bracket, so that is its bound.
         busy_ms = min(k[IO_TICKS], window_ms[phase])
         by_kernel = k[TIME_IN_QUEUE] / busy_ms
