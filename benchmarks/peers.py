@@ -1,7 +1,8 @@
 """kvprof's cost beside the tools ops already trust, side by side in one run.
 
     sudo .venv/bin/python benchmarks/peers.py [--rounds 5] [--runtime 5] [--job ...] [--tool ...]
-                                                [--backing data] [--bpf-stats]
+                                                [--backing data] [--scheduler S]
+                                                [--bpf-stats]
 
 The same load on the same private loop device (over /dev/shm) for every tool: fio without any
 tracer, fio with the tool attached, fio without again; the ratio is the attached figure over
@@ -24,6 +25,12 @@ Tools (each where it runs on this host; one that cannot attach is reported, not 
 
 Jobs: 4 KiB random reads through io_uring at QD32 and psync at QD1 (IOPS), and buffered
 1 MiB sequential writes ending in fsync (MB/s: the page cache, writeback and the device).
+
+`--scheduler` is the device's I/O scheduler: `none` by default, as on an NVMe drive (the fast
+host this is about: its requests go straight to the driver, no program runs at an insert),
+or `mq-deadline`, the one a loop device or a SATA disk gets, where every request waits in the
+scheduler first: kvprof then follows it from that insert (its queue time), as `biolatency -Q`
+does and plain `biolatency` does not; so `biolatency -Q` is measured beside it there.
 
 `--backing data` puts random data where the jobs read (the default device is sparse: its
 reads copy the kernel's one zero page, so at QD32 the CPU that submits is the only limit and
@@ -119,6 +126,8 @@ def _kvprof(*flags: str, socket: str | None = None) -> Callable[[str, Path], lis
 TOOLS = (
     Tool("biolatency (libbpf-tools)", _libbpf("biolatency", "-d", "{disk}", "3600", "1"),
          r"Tracing block device"),
+    Tool("biolatency -Q (libbpf-tools)", _libbpf("biolatency", "-Q", "-d", "{disk}", "3600",
+                                                 "1"), r"Tracing block device"),
     # (biotop has no device filter; it prints its table every second, as ops run it)
     Tool("biotop (libbpf-tools)", _libbpf("biotop", "1"), r"\bCOMM\b"),
     Tool("bpftrace, empty programs", _bpftrace(EMPTY_BT), r"Attaching \d+ probe"),
@@ -239,6 +248,9 @@ def main() -> int:
                     help="the loop device's file: sparse (reads cost the device next to "
                          "nothing: the tracers' cost on the submitting CPU in full) or random "
                          "data where the jobs read and write (the device copies real pages)")
+    ap.add_argument("--scheduler", choices=("none", "mq-deadline"), default="none",
+                    help="the device's I/O scheduler: none (an NVMe drive's) or mq-deadline "
+                         "(a loop device's or a SATA disk's)")
     ap.add_argument("--bpf-stats", action="store_true",
                     help="also run each attached job once more with the kernel's BPF run-time "
                          "statistics on and print, per tool, the ns its programs ran per "
@@ -254,6 +266,7 @@ def main() -> int:
     costs: dict[tuple[str, str], list[dict[str, float]]] = {}
     absent: dict[str, str] = {}
     with loop_device("peers", data=(128 << 20) if args.backing == "data" else 0) as dev:
+        Path(f"/sys/block/{Path(dev).name}/queue/scheduler").write_text(args.scheduler)
         for r in range(args.rounds):
             for job in jobs:
                 for tool in tools:
@@ -280,7 +293,8 @@ def main() -> int:
                     print(f"round {r} {job:<24} {tool.name:<34} {before:10.0f} / {after:10.0f}"
                           f" -> {traced:10.0f}  ratio {ratio:.3f}", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\n{args.rounds} rounds of {args.runtime} s on a {args.backing} loop device; "
+    print(f"\n{args.rounds} rounds of {args.runtime} s on a {args.backing} loop device "
+          f"(scheduler {args.scheduler}); "
           "attached / mean of the bracketing baselines, median (min..max)\n")
     print("| attached | " + " | ".join(jobs) + " |")
     print("|---|" + "---|" * len(jobs))

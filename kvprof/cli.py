@@ -67,9 +67,9 @@ def _record_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer", action="append", choices=[x.name for x in layer_table.LAYERS],
                    metavar="LAYER",
                    help="capture only these layers, repeatable (see below; default: "
-                        + " and ".join(layer_table.DEVICE_NAMES) + "; with -p or --cgroup "
-                        "also the processes' file syscalls, TCP bytes, and cuFile calls where "
-                        "libcufile is installed)")
+                        + " and ".join(layer_table.DEFAULT_NAMES) + "; with -p or --cgroup "
+                        "also the processes' io_uring requests, file syscalls, TCP bytes, and "
+                        "cuFile calls where libcufile is installed)")
     p.add_argument("--duration", type=float, help="stop after this many seconds")
     p.add_argument("--max-size", type=_size, metavar="SIZE",
                    help="end the recording cleanly once the session takes this much disk "

@@ -103,8 +103,8 @@ def check_tracepoints() -> list[Check]:
                              + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""),
                              "a kernel with CONFIG_BLK_DEV_IO_TRACE, io_uring and "
                              "CONFIG_FTRACE_SYSCALLS tracepoints, and tracefs mounted",
-                             # The process layers are opt-in: without them, the rest works.
-                             required=layers.BY_NAME[group].device))
+                             # The others are opt-in: without them, the default works.
+                             required=layers.BY_NAME[group].default))
         else:
             names = [t.split("/")[1] for t in tps]
             out.append(Check(f"tracepoints:{group}", True, ", ".join(names) if len(names) <= 3

@@ -86,8 +86,10 @@ def _record_demo(session: Path, seconds: float, tui: bool = False) -> None:
     """Sandbox and recorder up; the workload; everything down again, whatever happens."""
     with sandbox(BACKING_BYTES) as box:
         marks = str(box.work / "marks.sock")
+        # The decode reads go through io_uring: its layer shows them as the workload made them.
         opts = RecordOptions(out=str(session), devices=[box.disk.device],
-                             cgroups=[box.cgroup] if box.cgroup else [], socket=marks)
+                             cgroups=[box.cgroup] if box.cgroup else [], socket=marks,
+                             layers=("block", "io_uring"))
         announce = (f"kvprof demo: recording {seconds:g} s of KV-offload rounds (prefill "
                     f"writes, decode reads) on {box.disk.device} ({box.disk.kind}); "
                     "Ctrl-C ends early")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from kvprof.layers.layer import DEVICE_EVENT_RATE, HEADER, PROBE, Layer
 
-__all__ = ["BLOCK", "BY_NAME", "DEVICE_EVENT_RATE", "DEVICE_NAMES", "DIR", "FOLDERS", "GDS",
-           "HEADER", "IO_URING", "LAYERS", "Layer", "NAMES", "PROBE", "SYSCALL", "TCP",
-           "probe_file"]
+__all__ = ["BLOCK", "BY_NAME", "DEFAULT_NAMES", "DEVICE_EVENT_RATE", "DEVICE_NAMES", "DIR",
+           "FOLDERS", "GDS", "HEADER", "IO_URING", "LAYERS", "Layer", "NAMES", "PROBE",
+           "SYSCALL", "TCP", "probe_file"]
 
 # The registry, one line a layer, in code order (the probes' layer byte indexes it).
 FOLDERS = (
@@ -27,6 +27,7 @@ LAYERS: tuple[Layer, ...] = tuple(import_module(f"{__name__}.{f}").LAYER for f i
 BY_NAME: dict[str, Layer] = {layer.name: layer for layer in LAYERS}
 NAMES: tuple[str, ...] = tuple(BY_NAME)
 DEVICE_NAMES: tuple[str, ...] = tuple(layer.name for layer in LAYERS if layer.device)
+DEFAULT_NAMES: tuple[str, ...] = tuple(layer.name for layer in LAYERS if layer.default)
 # Views index per-device-layer arrays by code, so the device layers come first.
 assert NAMES[:len(DEVICE_NAMES)] == DEVICE_NAMES, "device layers first"
 assert all(layer.code == i for i, layer in enumerate(LAYERS)), "code = index"

@@ -19,17 +19,20 @@ class Layer:
     # index into schema.LAYERS: one number, so that both decode the same.
     code: int
     help: str  # one line for `kvprof record -h`, beside the name: 68 columns at most
-    # Sees each device byte once. The others repeat (io_uring asks, block carries out) or
-    # precede (a syscall's bytes may never reach a device) block requests, so device
-    # totals add only these; they are also on by default, the process layers opt-in.
+    # Followed request by request from start to completion (block, io_uring), with the
+    # event tier's sampling and the report's device sections.
     device: bool
+    # On without --layer, on every host: what the devices do (block sees each device byte
+    # once). The rest come on with -p / --cgroup (what the selected processes do: io_uring
+    # repeats block's requests, a syscall's bytes may never reach a device) or when named.
+    default: bool = False
     # "group/name": every tracepoint the probe attaches whenever the layer runs; a kernel
     # without one of them cannot run the layer (system.check_tracepoints says which).
     tracepoints: tuple[str, ...] = ()
-    # Attached only where the kernel has them or another layer runs too (#ifdef'd in the
-    # probe): the layer works without them.
+    # Attached only where the kernel has them, another layer runs too, or a filter needs
+    # them (#ifdef'd in the probe): the layer works without them.
     optional_tracepoints: tuple[str, ...] = ()
-    # Of `tracepoints`, the raw ones: name -> the C types of the arguments the probe reads,
+    # Of both, the raw ones: name -> the C types of the arguments the probe reads,
     # compared with the running kernel's BTF before loading (capture/btf.py).
     raw_args: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # -D name -> (struct, member) whose byte offset the probe needs, from the kernel's BTF.

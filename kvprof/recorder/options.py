@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from kvprof import layers, system
 from kvprof.devices import resolve
 from kvprof.errors import EX_USAGE, KvprofError
-from kvprof.layers import DEVICE_EVENT_RATE
+from kvprof.layers import DEFAULT_NAMES, DEVICE_EVENT_RATE
 
 if TYPE_CHECKING:
     from kvprof.capture.ebpf import CaptureFilter
@@ -24,7 +24,7 @@ class RecordOptions:
     devices: list[str] = field(default_factory=list)
     pids: list[int] = field(default_factory=list)
     cgroups: list[str] = field(default_factory=list)
-    layers: tuple[str, ...] = ("block", "io_uring")
+    layers: tuple[str, ...] = DEFAULT_NAMES
     # The io_uring layer also traces requests to raw block devices opened O_DIRECT, which the
     # block layer carries one for one; by default (False) it leaves them to the block layer
     # and counts them (`--layer io_uring` named on the command line: True).
@@ -85,17 +85,19 @@ def resolve_filters(opts: RecordOptions) -> CaptureFilter:
 
 
 def layers_from_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """--layer as given; by default the device layers, and the file syscalls of the selected
-    processes (system-wide, every read and write of every process would be traced)."""
+    """--layer as given; by default the block layer, and with -p / --cgroup the selected
+    processes' layers too: their io_uring requests, file syscalls, TCP bytes and cuFile calls
+    (system-wide, every read and write of every process would be traced, and io_uring's
+    programs would run for requests the block layer already carries)."""
     if args.layer:
         return tuple(dict.fromkeys(args.layer))
     from kvprof.capture.gds import find_cufile
 
-    chosen = list(layers.DEVICE_NAMES)
+    chosen = list(layers.DEFAULT_NAMES)
     if args.pid or args.cgroup:
         # The process layers this kernel has the tracepoints for; gds attaches to libcufile
         # instead, where it is installed.
-        chosen += [x.name for x in layers.LAYERS if not x.device and x.tracepoints
+        chosen += [x.name for x in layers.LAYERS if not x.default and x.tracepoints
                    and all(system.tracepoint_available(t) for t in x.tracepoints)]
         if find_cufile():
             chosen.append(layers.GDS.name)

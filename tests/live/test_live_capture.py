@@ -160,10 +160,11 @@ def test_io_uring_reads_equal_fio_count(loopdev, start_recorder, tmp_path):
 
 def test_io_uring_to_a_raw_device_is_left_to_the_block_layer_by_default(
         loopdev, ext4, start_recorder, tmp_path):
-    """By default a request to a raw block device opened O_DIRECT is counted once, by the
-    block layer (it carries it one for one), and the io_uring layer counts how many it left
-    there; a file on a file system, read through io_uring, is still the io_uring layer's.
-    One fio process, two rings: the raw device's first, then the file's."""
+    """With -p (which brings the process's io_uring layer), a request to a raw block device
+    opened O_DIRECT is counted once, by the block layer (it carries it one for one), and the
+    io_uring layer counts how many it left there; a file on a file system, read through
+    io_uring, is still the io_uring layer's. One fio process, two rings: the raw device's
+    first, then the file's."""
     if shutil.which("fio") is None:
         pytest.skip("needs fio")
     out = tmp_path / "fio.json"

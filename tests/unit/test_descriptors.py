@@ -187,6 +187,20 @@ def test_the_cli_offers_exactly_the_layers_and_sources():
             == k.kind
 
 
+def test_the_default_is_the_block_layer_and_p_brings_the_process_layers(monkeypatch):
+    """`record` with no --layer traces the block layer alone; -p or --cgroup add the process
+    layers (io_uring among them) the kernel has; --layer names exactly what runs."""
+    from kvprof.recorder.options import RecordOptions, layers_from_args
+
+    monkeypatch.setattr(system, "tracepoint_available", lambda tp: True)
+    parse = cli.build_parser().parse_args
+    assert layers_from_args(parse(["record", "-d", "loop0"])) == ("block",)
+    assert RecordOptions().layers == ("block",)
+    with_p = layers_from_args(parse(["record", "-d", "loop0", "-p", "1"]))
+    assert with_p[0] == "block" and {"io_uring", "syscall", "tcp"} <= set(with_p)
+    assert layers_from_args(parse(["record", "--layer", "io_uring"])) == ("io_uring",)
+
+
 def test_schema_and_roles_take_their_figures_from_the_sources():
     assert schema.SOURCE_RANK == {"hook": 3, "manual": 3, "metrics": 2, "nvml": 1}
     assert set(schema.ENGINE_MEANS) == {"ttft_s", "itl_s", "prefix_cache_hit_share"}

@@ -7,7 +7,7 @@ from kvprof.layers.layer import Layer
 _REQUEST = ("struct request *",)
 
 LAYER = Layer(
-    "block", 0, device=True,
+    "block", 0, device=True, default=True,
     help="block requests on the traced devices, queue insert to completion",
     tracepoints=("block/block_rq_insert", "block/block_rq_issue", "block/block_rq_requeue",
                  "block/block_rq_complete"),
