@@ -375,6 +375,44 @@ def _lookup(pieces: Pieces) -> pa.Table:
                      "w_code": phase_codes(pieces.phase)})
 
 
+class Buckets(NamedTuple):
+    """_lookup's pieces by time buckets of one width, for a hash join in place of the ASOF
+    join: a row finds its bucket by division (`b = issue_ns // width`, clamped to [lo, hi]),
+    where the ASOF join sorts every row by time (0.97 s of the report's 2.3 at 10 M rows,
+    benchmarks/report_scale.py). A bucket holds the phase code at its start and, where a piece
+    begins inside it, that start (`cut`) and the code from there (`code_hi`); where more than
+    one begins (`multi`), its rows take the ASOF join after all."""
+    table: pa.Table
+    width: int
+    lo: int
+    hi: int
+
+
+def _buckets(pieces: Pieces) -> Buckets | None:
+    """About two buckets a piece, over the span of the pieces' starts and one bucket either
+    side (rows beyond are clamped into those, wholly in the first or last piece). None with
+    a single piece."""
+    start = pieces.start.astype(np.int64)
+    codes = phase_codes(pieces.phase).astype(np.int64)
+    cuts = start[1:]  # (the first piece reaches back to the start of time: _lookup)
+    if not len(cuts):
+        return None
+    width = max(1, int(cuts[-1] - cuts[0]) // (2 * len(cuts)))
+    lo, hi = int(cuts[0] // width) - 1, int(cuts[-1] // width) + 1
+    begin = np.arange(lo, hi + 1, dtype=np.int64) * width
+    # The piece holding each bucket's start, and the pieces beginning inside the bucket.
+    at = np.clip(np.searchsorted(start, begin, side="right") - 1, 0, len(start) - 1)
+    first = np.searchsorted(cuts, begin, side="right")
+    inside = np.searchsorted(cuts, begin + width, side="left") - first
+    first = np.minimum(first, len(cuts) - 1)
+    return Buckets(pa.table({
+        "k_b": np.arange(lo, hi + 1, dtype=np.int64),
+        "k_lo": codes[at],
+        "k_cut": np.where(inside > 0, cuts[first], np.iinfo(np.int64).max),
+        "k_hi": np.where(inside > 0, codes[first + 1], codes[at]),
+        "k_multi": inside > 1}), width, lo, hi)
+
+
 # A phase code (_lookup's w_code) to its name, in SQL.
 _PHASE_OF = "[" + ", ".join(f"'{p}'" for p in schema.PHASES) + "]"
 
@@ -533,13 +571,19 @@ class SqlRows(RowSource):
             self._side_cur.close()
         self.cur.close()
 
-    def _joined(self, pieces: Pieces, sql: str, params: list) -> list[tuple]:
-        """Run `sql`, which reads `_kv_windows` for the pieces' lookup table."""
+    def _joined(self, pieces: Pieces, sql: str, params: list,
+                buckets: Buckets | None = None) -> list[tuple]:
+        """Run `sql`, which reads `_kv_windows` for the pieces' lookup table (and
+        `_kv_buckets` for `buckets`' table)."""
         self.cur.register("_kv_windows", _lookup(pieces))
+        if buckets is not None:
+            self.cur.register("_kv_buckets", buckets.table)
         try:
             return self.cur.execute(sql, params).fetchall()
         finally:
             self.cur.unregister("_kv_windows")
+            if buckets is not None:
+                self.cur.unregister("_kv_buckets")
 
     def per_phase(self, pieces: Pieces, view: ViewFilter) -> PerPhase:
         cond, params = _in_view(pieces, view)
@@ -604,12 +648,27 @@ class SqlRows(RowSource):
         (`every_block_row`)."""
         qs = "[" + ", ".join(str(q) for _, q in schema.QUANTILES) + "]"
         queued = "layer = 'block'" + ("" if every_block_row else " AND insert_ns > 0")
+        rows = f"SELECT * FROM io {'WHERE ' + cond if cond else ''}"
+        k = _buckets(pieces)
+        if k is None:
+            coded = f"""SELECT io.*, w.w_code AS code FROM ({rows}) io
+                        ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start"""
+        else:
+            # Each row's phase by its time bucket (Buckets); a bucket where more than one
+            # piece begins sends its rows to the ASOF join.
+            coded = f"""
+                WITH r AS (
+                    SELECT io.*, k.* FROM ({rows}) io JOIN _kv_buckets k
+                      ON k.k_b = least(greatest(io.issue_ns // {k.width}, {k.lo}), {k.hi}))
+                SELECT r.* EXCLUDE (k_b, k_lo, k_cut, k_hi, k_multi),
+                       CASE WHEN r.issue_ns >= r.k_cut THEN r.k_hi ELSE r.k_lo END AS code
+                FROM r WHERE NOT r.k_multi
+                UNION ALL BY NAME
+                SELECT r.* EXCLUDE (k_b, k_lo, k_cut, k_hi, k_multi), w.w_code AS code
+                FROM (SELECT * FROM r WHERE r.k_multi) r
+                ASOF JOIN _kv_windows w ON r.issue_ns >= w.w_start"""
         return self._joined(pieces, f"""
-            WITH io AS (
-                SELECT io.*, w.w_code AS code,
-                       {_TIMES}
-                FROM (SELECT * FROM io {"WHERE " + cond if cond else ""}) io
-                ASOF JOIN _kv_windows w ON io.issue_ns >= w.w_start)
+            WITH io AS (SELECT *, {_TIMES} FROM ({coded}))
             SELECT {_PHASE_OF}[code + 1], * EXCLUDE (code) FROM (
                 SELECT code, layer, op, count(*), sum(bytes)::UBIGINT,
                        -- Of the integer ns, made µs below: selecting among integers is
@@ -632,7 +691,7 @@ class SqlRows(RowSource):
                        -- (or issue) as the busy islands count it (block: the mean number
                        -- in flight while busy).
                        sum(greatest(total_ns, 0))::BIGINT
-                FROM io GROUP BY code, layer, op)""", params)
+                FROM io GROUP BY code, layer, op)""", params, k)
 
     def weighted_quantiles(self, pieces: Pieces, view: ViewFilter
                            ) -> dict[tuple[str, str, str], tuple[list[float | None], ...]]:

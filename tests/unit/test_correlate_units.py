@@ -336,3 +336,41 @@ def test_scraped_hits_are_shared_among_an_intervals_prompt_phases_and_the_rest_i
     got, unsure = _hits_by_phase(_Scraped([(60, 90, 30.0)]), 0, 100, ws, we, wp)
     assert got == {"decode": 10.0, "idle": 20.0} and unsure == 30.0
     assert _hits_by_phase(_Scraped([]), 0, 100, ws, we, wp) == ({}, None)
+
+
+def test_rows_find_their_phase_by_time_bucket_as_by_the_asof_join(monkeypatch):
+    """The report's biggest query finds each row's phase piece by a hash join on time
+    buckets (rowsource.Buckets) rather than the ASOF join: on pieces of very unequal length
+    (some buckets where several begin, sent to the ASOF join, and some where one does), rows
+    before, inside and after them, and rows at the pieces' very starts, it gives what the
+    ASOF join alone gives, count for count and quantile for quantile."""
+    import duckdb
+
+    from kvprof.analysis import rowsource
+    from kvprof.analysis.rowsource import Pieces, SqlRows
+
+    rng = np.random.default_rng(7)
+    n = 500
+    lengths = np.where(rng.random(n) < 0.2, rng.integers(1, 10_000, n),
+                       rng.integers(1_000_000, 5_000_000, n))
+    start = 10**12 + np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    phase = rng.choice(["prefill", "decode", "idle"], n)
+    pieces = Pieces(start=start, end=start + lengths, phase=phase, t0=int(start[0]),
+                    t1=int(start[-1] + lengths[-1]), origin=int(start[0]))
+    issue = np.concatenate([start, rng.integers(start[0] - 10**7, pieces.t1 + 10**7, 30_000)])
+    queued = np.where(rng.random(len(issue)) < 0.5, rng.integers(1, 50_000, len(issue)), 0)
+    rows = pa.table({  # noqa: F841 - DuckDB reads it by name
+        "layer": rng.choice(["block", "io_uring"], len(issue)),
+        "op": rng.choice(["read", "write"], len(issue)),
+        "bytes": rng.integers(0, 1 << 20, len(issue)).astype(np.uint64),
+        "insert_ns": np.where(queued > 0, issue - queued, 0),
+        "issue_ns": issue, "complete_ns": issue + rng.integers(1_000, 5_000_000, len(issue))})
+    con = duckdb.connect()
+    con.execute("CREATE TABLE io AS SELECT * FROM rows")
+    multi = rowsource._buckets(pieces).table["k_multi"].to_pylist()
+    assert any(multi) and not all(multi)
+    got = SqlRows(con.cursor())._stats(pieces, "", [])
+    monkeypatch.setattr(rowsource, "_buckets", lambda p: None)
+    want = SqlRows(con.cursor())._stats(pieces, "", [])
+    assert sum(r[3] for r in want) == len(issue)
+    assert sorted(got, key=str) == sorted(want, key=str)
