@@ -17,7 +17,9 @@ back from the device. Measured by a streaming client: time to first token and th
 the tokens after it, per request; the engine's generated tokens a second over the mix.
 
 One more kvprof default run has its recorder stopped (SIGSTOP) once attached and resumed after the
-mix: the probes' share of the default's cost apart from the recorder process's.
+mix: the probes' share of the default's cost apart from the recorder process's. And one with
+`--phases marks`: the default without the phase source it finds by itself (here the engine's
+/metrics, scraped every 100 ms), whose scrapes the engine's API server answers.
 
 Printed per tool: TTFT and inter-token p50 and p99 and throughput, each the median over rounds
 of the ratio to the round's own nothing-attached run, with the spread (min..max); and the noise:
@@ -117,6 +119,7 @@ def main() -> int:
                           _libbpf("biolatency", "-d", "{disk}", "3600", "1"),
                           r"Tracing block device"),
                      Tool("kvprof (default)", _kvprof(), r"Hit Ctrl-C"),
+                     Tool("kvprof --phases marks", _kvprof("--phases", "marks"), r"Hit Ctrl-C"),
                      Tool(STOPPED, _kvprof(), r"Hit Ctrl-C"),
                      Tool("kvprof -p ENGINE --layer syscall + plugin",
                           _kvprof(*pids, "--layer", "block", "--layer", "syscall",
