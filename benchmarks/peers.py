@@ -17,11 +17,11 @@ Tools (each where it runs on this host; one that cannot attach is reported, not 
 - bpftrace with empty programs on block_rq_issue/complete (the floor of a tracer there), and
   with a biolatency program on the same tracepoints (its own biolatency.bt uses kprobes, which
   this kernel lacks);
-- kvprof `record` in its modes: `--layer block --no-events`, `--no-events`, `--layer block`,
-  the default, and both layers named (`--layer block --layer io_uring`: io_uring traces the
-  raw device's requests too, which the default leaves to the block layer); and two of them
-  with the recorder stopped (SIGSTOP) once attached, so that the probes run and nothing in
-  user space does: against the same mode running, what the recorder's process costs.
+- kvprof `record` in its modes: the default (the block layer), `--layer block --no-events`
+  (the same without the event tier), and both device layers named (`--layer block --layer
+  io_uring`: io_uring traces the raw device's requests too); and two of them with the
+  recorder stopped (SIGSTOP) once attached, so that the probes run and nothing in user space
+  does: against the same mode running, what the recorder's process costs.
 
 Jobs: 4 KiB random reads through io_uring at QD32 and psync at QD1 (IOPS), and buffered
 1 MiB sequential writes ending in fsync (MB/s: the page cache, writeback and the device).
@@ -134,15 +134,12 @@ TOOLS = (
     Tool("bpftrace, biolatency program", _bpftrace(BIOLATENCY_BT), r"Attaching \d+ probe"),
     Tool("kvprof --layer block --no-events", _kvprof("--layer", "block", "--no-events"),
          r"Hit Ctrl-C"),
-    Tool("kvprof --no-events", _kvprof("--no-events"), r"Hit Ctrl-C"),
-    Tool("kvprof --layer block", _kvprof("--layer", "block"), r"Hit Ctrl-C"),
     Tool("kvprof --layer block --no-events, stopped", _kvprof("--layer", "block",
                                                               "--no-events"),
          r"Hit Ctrl-C", paused=True),
     Tool("kvprof (default), stopped", _kvprof(), r"Hit Ctrl-C", paused=True),
     Tool("kvprof (default)", _kvprof(), r"Hit Ctrl-C"),
-    # Both layers named: io_uring traces the raw device's requests too (the default leaves
-    # them to the block layer), what the default did before #24.
+    # Both device layers named: io_uring traces the raw device's requests too.
     Tool("kvprof --layer block --layer io_uring", _kvprof("--layer", "block", "--layer",
                                                           "io_uring"), r"Hit Ctrl-C"),
 )

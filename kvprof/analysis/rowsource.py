@@ -377,15 +377,15 @@ def _lookup(pieces: Pieces) -> pa.Table:
 
 class Buckets(NamedTuple):
     """_lookup's pieces by time buckets of one width, for a hash join in place of the ASOF
-    join: a row finds its bucket by division (`b = issue_ns // width`, clamped to [lo, hi]),
-    where the ASOF join sorts every row by time (0.97 s of the report's 2.3 at 10 M rows,
-    benchmarks/report_scale.py). A bucket holds the phase code at its start and, where a piece
-    begins inside it, that start (`cut`) and the code from there (`code_hi`); where more than
-    one begins (`multi`), its rows take the ASOF join after all."""
+    join: a row finds its bucket by division (`k_b`: (issue_ns - base) // width, clamped to
+    [0, last]), where the ASOF join sorts every row by time (0.97 s of the report's 2.3 at
+    10 M rows, benchmarks/report_scale.py). A bucket holds the phase code at its start
+    (`k_lo`) and, where a piece begins inside it, that start (`k_cut`) and the code from there
+    (`k_hi`); where more than one begins (`k_multi`), its rows take the ASOF join after all."""
     table: pa.Table
     width: int
-    lo: int
-    hi: int
+    base: int  # the first bucket's start
+    last: int  # the last bucket's number
 
 
 def _buckets(pieces: Pieces) -> Buckets | None:
@@ -406,11 +406,11 @@ def _buckets(pieces: Pieces) -> Buckets | None:
     inside = np.searchsorted(cuts, begin + width, side="left") - first
     first = np.minimum(first, len(cuts) - 1)
     return Buckets(pa.table({
-        "k_b": np.arange(lo, hi + 1, dtype=np.int64),
+        "k_b": np.arange(hi - lo + 1, dtype=np.int64),
         "k_lo": codes[at],
         "k_cut": np.where(inside > 0, cuts[first], np.iinfo(np.int64).max),
         "k_hi": np.where(inside > 0, codes[first + 1], codes[at]),
-        "k_multi": inside > 1}), width, lo, hi)
+        "k_multi": inside > 1}), width, lo * width, hi - lo)
 
 
 # A phase code (_lookup's w_code) to its name, in SQL.
@@ -659,7 +659,8 @@ class SqlRows(RowSource):
             coded = f"""
                 WITH r AS (
                     SELECT io.*, k.* FROM ({rows}) io JOIN _kv_buckets k
-                      ON k.k_b = least(greatest(io.issue_ns // {k.width}, {k.lo}), {k.hi}))
+                      ON io.issue_ns IS NOT NULL AND k.k_b =
+                         least(greatest(io.issue_ns - {k.base}, 0) // {k.width}, {k.last}))
                 SELECT r.* EXCLUDE (k_b, k_lo, k_cut, k_hi, k_multi),
                        CASE WHEN r.issue_ns >= r.k_cut THEN r.k_hi ELSE r.k_lo END AS code
                 FROM r WHERE NOT r.k_multi

@@ -22,14 +22,23 @@ def _bcc() -> system.Check:
 
 
 def _btf() -> system.Check:
-    """The device probes read struct request and io_kiocb at offsets from the kernel's BTF."""
+    """The device probes read struct request and io_kiocb at offsets from the kernel's BTF:
+    the default's (block) are needed, io_uring's (on with -p or named) only for that layer."""
     from kvprof.capture.btf import VMLINUX, layout_defines
 
+    def why(e: KvprofError) -> str:
+        return str(e).split(";")[0].split(" (")[0]
+
+    try:
+        found = layout_defines(("block",))
+    except KvprofError as e:
+        return system.Check("btf", False, why(e),
+                            "a kernel built with CONFIG_DEBUG_INFO_BTF=y (Linux 6.x)")
     try:
         found = layout_defines(("block", "io_uring"))
     except KvprofError as e:
-        return system.Check("btf", False, str(e).split(";")[0].split(" (")[0],
-                            "a kernel built with CONFIG_DEBUG_INFO_BTF=y (Linux 6.x)")
+        return system.Check("btf", True, f"{len(found)} request layout values from {VMLINUX}; "
+                            f"not io_uring's ({why(e)}): no io_uring layer")
     return system.Check("btf", True, f"{len(found)} request layout values from {VMLINUX}")
 
 

@@ -32,7 +32,7 @@ class Layer:
     # Attached only where the kernel has them, another layer runs too, or a filter needs
     # them (#ifdef'd in the probe): the layer works without them.
     optional_tracepoints: tuple[str, ...] = ()
-    # Of both, the raw ones: name -> the C types of the arguments the probe reads,
+    # Of `tracepoints`, the raw ones: name -> the C types of the arguments the probe reads,
     # compared with the running kernel's BTF before loading (capture/btf.py).
     raw_args: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     # -D name -> (struct, member) whose byte offset the probe needs, from the kernel's BTF.

@@ -367,10 +367,14 @@ def test_rows_find_their_phase_by_time_bucket_as_by_the_asof_join(monkeypatch):
         "issue_ns": issue, "complete_ns": issue + rng.integers(1_000, 5_000_000, len(issue))})
     con = duckdb.connect()
     con.execute("CREATE TABLE io AS SELECT * FROM rows")
+    # A row without an issue time is in no phase, either way.
+    con.execute("INSERT INTO io VALUES ('block', 'read', 4096, 0, NULL, 5)")
     multi = rowsource._buckets(pieces).table["k_multi"].to_pylist()
     assert any(multi) and not all(multi)
-    got = SqlRows(con.cursor())._stats(pieces, "", [])
+    views = (("", []), ("bytes >= ? AND op = ?", [1 << 19, "read"]))
+    got = [SqlRows(con.cursor())._stats(pieces, *v) for v in views]
     monkeypatch.setattr(rowsource, "_buckets", lambda p: None)
-    want = SqlRows(con.cursor())._stats(pieces, "", [])
-    assert sum(r[3] for r in want) == len(issue)
-    assert sorted(got, key=str) == sorted(want, key=str)
+    want = [SqlRows(con.cursor())._stats(pieces, *v) for v in views]
+    assert sum(r[3] for r in want[0]) == len(issue)
+    for g, w in zip(got, want):
+        assert sorted(g, key=str) == sorted(w, key=str)
