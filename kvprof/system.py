@@ -57,7 +57,20 @@ def require_privilege() -> None:
 
 def tracefs() -> Path | None:
     for p in TRACEFS_CANDIDATES:
-        if (p / "events").is_dir():
+        try:
+            if (p / "events").is_dir():
+                return p
+        except PermissionError:
+            continue  # mounted, root's alone (mode 0700): tracefs_denied() says so
+    return None
+
+
+def tracefs_denied() -> Path | None:
+    """A tracefs mounted where this user may not look (its mode is 0700, root's)."""
+    for p in TRACEFS_CANDIDATES:
+        try:
+            (p / "events").is_dir()
+        except PermissionError:
             return p
     return None
 
@@ -66,6 +79,10 @@ def check_tracefs() -> Check:
     p = tracefs()
     if p:
         return Check("tracefs", True, str(p))
+    denied = tracefs_denied()
+    if denied:
+        return Check("tracefs", False, f"{denied} is not readable by this user",
+                     "run kvprof as root (sudo)")
     return Check("tracefs", False, "tracefs is not mounted",
                  "sudo mount -t tracefs tracefs /sys/kernel/tracing")
 
@@ -96,7 +113,13 @@ def tracepoint_available(tp: str) -> bool:
 
 def check_tracepoints() -> list[Check]:
     out = []
+    unreadable = tracefs() is None and tracefs_denied() is not None
     for group, tps in TRACEPOINTS.items():
+        if unreadable:
+            out.append(Check(f"tracepoints:{group}", False, "not checked: tracefs is not "
+                             "readable by this user", "run kvprof as root (sudo)",
+                             required=layers.BY_NAME[group].default))
+            continue
         missing = [t for t in tps if not tracepoint_available(t)]
         if missing:
             out.append(Check(f"tracepoints:{group}", False, "missing " + ", ".join(missing[:3])

@@ -1,6 +1,7 @@
 """Bad input gets one line and a distinct exit status, never a traceback."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from kvprof import errors
+from kvprof import errors, system
 from tests.helpers import live, run_kvprof
 
 # Root with an empty capability bounding set: uid 0 but no CAP_BPF/CAP_PERFMON/CAP_SYS_ADMIN,
@@ -142,6 +143,25 @@ def test_doctor_prints_one_line_per_check():
     for i, line in enumerate(r.stdout.splitlines()):
         if line.startswith("FAIL"):
             assert "fix:" in r.stdout.splitlines()[i + 1]
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv")
+def test_doctor_without_privileges_says_what_is_missing():
+    """As a user with no privileges (tracefs is root's alone), doctor names each missing part
+    with its fix rather than failing on the first file it may not read."""
+    if os.stat(system.tracefs() or "/sys/kernel/tracing").st_mode & 0o005 == 0o005:
+        pytest.skip("tracefs is readable by everyone here")
+    r = run_kvprof("doctor", prefix=["setpriv", "--reuid", "65534", "--regid", "65534",
+                                     "--clear-groups", "--inh-caps=-all",
+                                     "--bounding-set=-all"])
+    assert r.returncode == 1, r.stderr
+    assert "internal error" not in r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("FAIL privilege")
+    assert lines[2].startswith("FAIL tracefs") and "not readable by this user" in lines[2]
+    assert "fix: run kvprof as root" in lines[3]
+    assert any(line.startswith("FAIL tracepoints:block") and "not checked" in line
+               for line in lines)
 
 
 def test_doctor_says_when_a_running_vllm_will_send_no_windows():
