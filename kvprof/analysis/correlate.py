@@ -260,6 +260,10 @@ def summarize(rows: RowSource, t0: int | None = None, t1: int | None = None,
                                for src, engine, n in rows.window_sources(t0, t1)],
             "source_problems": {s["source"]: s["problems"] for s in info.sources
                                 if s["problems"]},
+            # Scrape-paced sources: the longest interval between scrapes (window edges are
+            # within one) and the engine's response time that set it.
+            "source_pace": {s["source"]: {k: s[k] for k in ("scrape_interval_s", "response_ms")}
+                            for s in info.sources if "scrape_interval_s" in s},
             "writeback_unattributed": unattributed,
             # False: recorded with --no-events; the device layers' figures are the exact
             # section's, without exact percentiles.

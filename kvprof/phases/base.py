@@ -91,5 +91,9 @@ class PhaseSource:
                 out[table] = pa.Table.from_pylist(batch, schema=schema.TABLES[table])
         return out
 
+    def pace(self) -> dict[str, float]:
+        """How often the source asked, for sources whose pace changes (else nothing)."""
+        return {}
+
     def counts(self) -> dict[str, int]:
         return {f"{self.name}.{k}": v for k, v in self._problems.items()}

@@ -1,4 +1,5 @@
-"""Phase windows from a serving engine's Prometheus `/metrics`, scraped at 10 Hz.
+"""Phase windows from a serving engine's Prometheus `/metrics`, scraped at 10 Hz, or less often
+where the engine takes long to render its page (`MetricsSource.share`).
 
 Each scrape is stamped (CLOCK_MONOTONIC) at receipt, and the interval since the previous one is
 labelled from how far the engine's prefill and decode counters moved (`step_phase`); intervals
@@ -10,10 +11,12 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import statistics
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 
 from kvprof import schema
@@ -221,6 +224,12 @@ class MetricsSource(PhaseSource):
     kind = "engine"
     default_url = "http://127.0.0.1/metrics"
     interval_s = 0.1
+    # The engine renders its page on the thread that serves its API (vLLM's 51 kB: 3.6 ms on
+    # 2 vCPUs), so a scrape costs it about the scrape's response time. Scrapes come at most
+    # every interval_s and no more often than keeps that time within `share` of the engine's
+    # (the median of the last few responses), nor less often than max_interval_s.
+    share = 0.01
+    max_interval_s = 1.0
     timeout_s = 0.5
     max_retry_s = 2.0
     max_body_bytes = 16 << 20
@@ -250,6 +259,8 @@ class MetricsSource(PhaseSource):
         self._retry_at = 0.0
         self._missing = False
         self.scrapes = 0  # successful scrapes, for status lines and tests
+        self._response_s: deque[float] = deque(maxlen=5)
+        self.longest_interval_s = self.interval_s  # the pace's slowest, for the session row
 
     # -- per engine ---------------------------------------------------------------------------
     def engine_of(self, model: str = "", rank: str = "") -> str:
@@ -297,8 +308,10 @@ class MetricsSource(PhaseSource):
         if time.monotonic() < self._retry_at:
             return
         try:
+            t0 = time.monotonic_ns()
             body = self._fetch()
             ts_ns = time.monotonic_ns()  # stamped at receipt: the counters are at most this new
+            self._pace((ts_ns - t0) / 1e9)
             try:
                 text = body.decode("utf-8")
                 samples = parse_exposition(text, keep=self.wants)
@@ -313,6 +326,21 @@ class MetricsSource(PhaseSource):
         self._retry_s = 0.0
         self.scrapes += 1
         self.ingest(ts_ns, samples, family)
+
+    def _pace(self, response_s: float) -> None:
+        """The interval to the next scrape, from how long the engine took to answer."""
+        self._response_s.append(response_s)
+        cost_s = statistics.median(self._response_s) / self.share
+        self.interval_s = min(self.max_interval_s, max(type(self).interval_s, cost_s))
+        self.longest_interval_s = max(self.longest_interval_s, self.interval_s)
+
+    def pace(self) -> dict[str, float]:
+        """The longest interval between scrapes the pace asked for (window edges are within
+        one such interval) and the engine's median response time at the end."""
+        if not self._response_s:
+            return {}
+        return {"scrape_interval_s": round(self.longest_interval_s, 3),
+                "response_ms": round(statistics.median(self._response_s) * 1e3, 2)}
 
     def _failed(self, kind: str, detail: str) -> None:
         self.problem(kind, detail)

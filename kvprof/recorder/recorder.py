@@ -466,8 +466,9 @@ def _recorded(counted: dict[str, int], rows: int) -> str:
     return f"Counted {each} requests; kept {rows} event rows"
 
 def _status(src) -> dict:
-    """What went wrong with a phase source, for the session row."""
-    return {"problems": src.counts(), "last_error": src.last_error}
+    """What went wrong with a phase source, and its pace where that changes, for the session
+    row."""
+    return {"problems": src.counts(), "last_error": src.last_error, **src.pace()}
 
 
 def _devices_json(devs: tuple[Device, ...]) -> str:

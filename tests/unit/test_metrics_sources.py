@@ -247,7 +247,11 @@ def endpoints():
 def sources():
     started: list[MetricsSource] = []
 
-    def start(src: MetricsSource) -> MetricsSource:
+    def start(src: MetricsSource, share: float = 1.0) -> MetricsSource:
+        # These endpoints render in well under a millisecond, but a loaded machine can make
+        # that a few: the windows tested here are those of 10 Hz scrapes, so the source is
+        # not asked to slow down for the engine's sake (test_scrapes_slow_down_for_a_slow_page).
+        src.share = share
         started.append(src)
         src.start()
         return src
@@ -687,6 +691,25 @@ def test_a_page_that_is_not_prometheus_text_is_counted_not_fatal(endpoints, sour
     check_windows(rows, segs, "vllm-after-bad-page")
 
 
+def test_scrapes_slow_down_for_a_slow_page(endpoints, sources):
+    """A page the engine takes 8 ms or more to render: its scrapes take at most 1 % of the
+    engine's time (MetricsSource.share), so come 0.8 s apart or more, and at most a second."""
+    eng = FakeVllm()
+
+    def slow() -> bytes:
+        time.sleep(0.008)
+        return eng.render()
+
+    ep = endpoints(slow)
+    src = sources(VllmMetrics(ep.url), share=MetricsSource.share)
+    t0 = time.monotonic()
+    time.sleep(2.5)
+    n = src.scrapes
+    assert src.interval_s == pytest.approx(0.8, abs=0.2) and src.interval_s >= 0.8
+    # The first scrape at once, then one per interval of 0.8..1 s.
+    assert 2 <= n <= 1 + int((time.monotonic() - t0) / 0.8), n
+
+
 def test_missing_counters_are_reported_once_per_absence():
     src = VllmMetrics("http://127.0.0.1:1/metrics")
     for i in range(3):
@@ -774,8 +797,11 @@ _VLLM_NAMES = {"prompt": "vllm:prompt_tokens_total", "gen": "vllm:generation_tok
                "decode_s": "vllm:request_decode_time_seconds_sum"}
 
 
-@pytest.mark.parametrize("late,slow", [(0.0, 0.0), (0.3, 0.0), (0.0, 0.3), (0.3, 0.3)])
-def test_vllm_prefill_time_holds_when_scrapes_come_late_and_slow(late, slow):
+@pytest.mark.parametrize("late,slow,every", [(0.0, 0.0, 0.1), (0.3, 0.0, 0.1), (0.0, 0.3, 0.1),
+                                             (0.3, 0.3, 0.1), (0.0, 0.0, 0.4), (0.0, 0.0, 1.0)])
+def test_vllm_prefill_time_holds_when_scrapes_come_late_and_slow(late, slow, every):
+    """Scrapes every `every` s (10 Hz, and slowed for a slow page: MetricsSource.share), each
+    sent up to `late` s late and answered up to `slow` s after it was sent."""
     outputs, spans = _vllm_outputs(3, prefill_s=0.57, step_s=0.007, steps=31)
     truth = sum(b - a for a, b in spans)
     worst = 0.0
@@ -785,7 +811,7 @@ def test_vllm_prefill_time_holds_when_scrapes_come_late_and_slow(late, slow):
         tick = received = 0.5
         while received < outputs[-1][0] + 1:
             sent = max(tick, received) + rnd.uniform(0, late)
-            tick = sent + 0.1
+            tick = sent + every
             received = sent + rnd.uniform(0, slow)
             read = rnd.uniform(sent, received)
             totals = dict.fromkeys(_VLLM_NAMES, 0.0)
@@ -809,5 +835,5 @@ def test_vllm_prefill_time_holds_when_scrapes_come_late_and_slow(late, slow):
         worst = max(worst, abs(prefill / truth - 1))
         # The real engine test's bound for the plugin's windows.
         assert prefill == pytest.approx(truth, rel=0.25), (seed, rows)
-    print(f"\nscrapes up to {late} s late and {slow} s slow: prefill time off by at most "
-          f"{worst:.0%} of {truth:.2f} s (25 seeds)")
+    print(f"\nscrapes every {every} s, up to {late} s late and {slow} s slow: prefill time "
+          f"off by at most {worst:.0%} of {truth:.2f} s (25 seeds)")
