@@ -19,7 +19,7 @@ the tokens after it, per request; the engine's generated tokens a second over th
 One more kvprof default run has its recorder stopped (SIGSTOP) once attached and resumed after the
 mix: the probes' share of the default's cost apart from the recorder process's. And one with
 `--phases marks`: the default without the phase source it finds by itself (here the engine's
-/metrics, scraped every 100 ms), whose scrapes the engine's API server answers.
+/metrics, scraped at the pace its page allows), whose scrapes the engine's API server answers.
 
 Printed per tool: TTFT and inter-token p50 and p99 and throughput, each the median over rounds
 of the ratio to the round's own nothing-attached run, with the spread (min..max); and the noise:
