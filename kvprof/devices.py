@@ -39,7 +39,10 @@ def by_number(major: int, minor: int) -> Device:
         uevent = Path(f"/sys/dev/block/{major}:{minor}/uevent").read_text()
         name = next(line[8:] for line in uevent.splitlines() if line.startswith("DEVNAME="))
     except (OSError, StopIteration):
-        name = f"{major}:{minor}"
+        # Container runtimes mask /sys/dev/block (podman's default masked paths): the
+        # class directory names the same devices.
+        name = next((d.name for d in list_devices() if (d.major, d.minor) == (major, minor)),
+                    f"{major}:{minor}")
     return Device(name, major, minor)
 
 

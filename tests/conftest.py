@@ -109,14 +109,15 @@ def start_recorder(tmp_path):
     started: list[Recorder] = []
 
     def start(*args: str, name: str = "session", socket: str | None = None,
-              env: dict | None = None, cwd: Path | None = None) -> Recorder:
+              env: dict | None = None, cwd: Path | None = None,
+              command: list[str] | None = None) -> Recorder:
         out = tmp_path / name
         sock = socket or str(tmp_path / f"{name}.sock")
         # Every row: the tests compare the event tier with the kernel's counts (a test of
         # sampling passes its own --event-rate).
         rate = [] if "--event-rate" in args else ["--event-rate", "0"]
-        proc = subprocess.Popen(KVPROF + ["record", "-o", str(out), "--socket", sock, *rate,
-                                          *args],
+        proc = subprocess.Popen((command or KVPROF) + ["record", "-o", str(out), "--socket",
+                                                       sock, *rate, *args],
                                 stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                 env=env, cwd=cwd)
         lines: list[str] = []

@@ -31,7 +31,8 @@ from kvprof.sandbox import Disk, sandbox
 from kvprof.store.session import DB_FILE
 from kvprof.views.report import write_report
 
-SAMPLE_DIR = Path(__file__).resolve().parents[2] / "samples" / "demo"
+# A recorded demo session, shipped in the package (and so in the wheel).
+SAMPLE_DIR = Path(__file__).resolve().parents[1] / "samples" / "demo"
 ENGINE = "kvprof-demo"
 
 BACKING_BYTES = 256 << 20

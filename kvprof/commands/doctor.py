@@ -90,9 +90,14 @@ def _has_plugin(site: Path) -> bool:
 def _install_hint() -> str:
     """How to install this kvprof elsewhere: from its checkout (or wheel), never by the bare
     name, which on PyPI is an unrelated project (the distribution is kvprof-storage)."""
+    from kvprof import __version__
+
     root = Path(__file__).resolve().parents[2]
-    src = str(root) if (root / "pyproject.toml").is_file() else "/path/to/kvprof-checkout"
-    return f"install kvprof's checkout, not PyPI's kvprof (another project): pip install {src}"
+    if (root / "pyproject.toml").is_file():
+        return (f"install kvprof's checkout, not PyPI's kvprof (another project): "
+                f"pip install {root}")
+    return (f"install kvprof's wheel, not PyPI's kvprof (another project): "
+            f"pip install ./kvprof_storage-{__version__}-py3-none-any.whl")
 
 
 def _vllm(proc: Path = Path("/proc")) -> list[system.Check]:

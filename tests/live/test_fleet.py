@@ -1,18 +1,15 @@
 """Fleet: three real sessions exported as three hosts into one hive-layout directory; the fleet
 report's totals are the sum of the three reports, DuckDB reads the layout with
 hive_partitioning, files carry the schema version, and an older file (without later columns)
-still reads. The deployment files: systemd-analyze verifies the unit; the DaemonSet has what
-Kubernetes requires."""
+still reads. (The deployment files: tests/live/test_deploy.py.)"""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import duckdb
 import pyarrow.parquet as pq
 import pytest
-import yaml
 
 from kvprof import schema
 from tests.helpers import (
@@ -118,41 +115,3 @@ def test_report_parquet_on_a_directory_that_is_no_export_is_one_line(tmp_path):
         64, "kvprof: error: report needs a SESSION (or --parquet DIR)\n")
 
 
-def test_the_systemd_unit_verifies():
-    unit = ROOT / "deploy" / "kvprof.service"
-    r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
-                       text=True)
-    assert r.returncode == 0 and not r.stderr.strip(), r.stderr
-    text = unit.read_text()
-    assert "KillSignal=SIGINT" in text and "--prometheus 9464" in text
-
-
-def test_the_daemonset_has_what_kubernetes_requires():
-    docs = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "daemonset.yaml")
-                                   .read_text()))
-    assert len(docs) == 1
-    ds = docs[0]
-    assert (ds["apiVersion"], ds["kind"]) == ("apps/v1", "DaemonSet")
-    assert ds["metadata"]["name"]
-    selector = ds["spec"]["selector"]["matchLabels"]
-    template = ds["spec"]["template"]
-    # The selector must match the pod template's labels, or the API server refuses it.
-    assert selector.items() <= template["metadata"]["labels"].items()
-    pod = template["spec"]
-    assert pod["hostPID"] is True
-    (c,) = pod["containers"]
-    assert c["name"] and c["image"]
-    assert c["args"][0] == "record"
-    # The arguments are kvprof's own: they parse.
-    from kvprof.cli import build_parser
-
-    build_parser().parse_args(c["args"])
-    caps = set(c["securityContext"]["capabilities"]["add"])
-    assert {"BPF", "PERFMON"} <= caps
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    assert mounts.keys() == volumes.keys()
-    for need in ("/sys/kernel/tracing", "/sys/kernel/btf", "/lib/modules", "/run/kvprof"):
-        assert need in mounts.values()
-    for v in volumes.values():
-        assert v["hostPath"]["path"].startswith("/")

@@ -15,6 +15,7 @@ import pytest
 from kvprof import schema
 from kvprof.analysis.correlate import summarize
 from kvprof.analysis.rowsource import SqlRows, ViewFilter
+from kvprof.commands.demo import SAMPLE_DIR
 from kvprof.store.parquet import export_parquet
 from kvprof.store.session import Reader, open_replay, session_info
 from kvprof.views.findings import findings, phase_finding
@@ -23,7 +24,7 @@ from kvprof.views.snapshot import Clock, build_snapshot
 from tests.helpers import KVPROF, assert_same_report, live, report_both_ways, run_kvprof
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLE = ROOT / "samples" / "demo"
+SAMPLE = SAMPLE_DIR
 
 
 @pytest.fixture
@@ -64,7 +65,7 @@ def test_findings_name_the_limit_of_each_phase():
 def test_report_ends_with_the_findings(sample):
     con, _ = sample
     summary = summarize(SqlRows(con))
-    text = to_text(summary, "samples/demo")
+    text = to_text(summary, "kvprof/samples/demo")
     block = text.split("\nfindings:\n", 1)[1]
     assert "decode reads are latency-bound" in block
     assert all(len(line) <= 80 for line in text.splitlines())
@@ -346,7 +347,7 @@ def _screen_until(name: str, pred, timeout: float = 20.0) -> str:
 def test_replay_in_tmux_shows_the_panels_and_q_exits_cleanly(tmp_path):
     name = f"kvprof-test-{os.getpid()}"
     rc = tmp_path / "rc"
-    cmd = (f"cd {ROOT} && {' '.join(KVPROF)} top --replay samples/demo; "
+    cmd = (f"cd {ROOT} && {' '.join(KVPROF)} top --replay kvprof/samples/demo; "
            f"echo $? > {rc}; exec sleep 60")
     _tmux("new-session", "-d", "-s", name, "-x", "80", "-y", "24", cmd)
     try:

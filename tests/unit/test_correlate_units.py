@@ -10,6 +10,7 @@ import pytest
 from kvprof import schema
 from kvprof.analysis.fold import _flatten_disjoint, _flatten_sweep, flatten
 from kvprof.analysis.intervals import busy_between, busy_islands
+from kvprof.commands.demo import SAMPLE_DIR
 from kvprof.phases.mark_server import WindowBuilder, decode
 
 
@@ -175,14 +176,13 @@ def test_inflight_mean_is_the_summed_device_time_over_the_busy_time(tmp_path, se
     some request was in flight
     (a sweep over every edge); SQL and the dashboard's row cache say the same."""
     import shutil
-    from pathlib import Path
 
     import duckdb
 
     from kvprof.store.session import open_replay, session_info
     from tests.helpers import report_both_ways
 
-    shutil.copytree(Path(__file__).resolve().parents[2] / "samples" / "demo", tmp_path / "s")
+    shutil.copytree(SAMPLE_DIR, tmp_path / "s")
     db = tmp_path / "s" / "session.duckdb"
     rng = np.random.default_rng(seed)
     with duckdb.connect(str(db)) as con:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvprof.commands.demo import SAMPLE_DIR
 from kvprof.summary import Report
 from tests.helpers import run_kvprof
 from tests.report_shape import check
@@ -21,7 +22,7 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden"
     ((), "report-demo.txt"),
 ])
 def test_the_sample_report_is_byte_for_byte_the_pinned_one(args, golden):
-    r = run_kvprof("report", str(ROOT / "samples" / "demo"), *args)
+    r = run_kvprof("report", str(SAMPLE_DIR), *args)
     assert r.returncode == 0, r.stderr
     # (the text report's first line names the session as given)
     assert r.stdout.replace(f"{ROOT}/", "") == (GOLDEN / golden).read_text()
