@@ -137,18 +137,7 @@ def test_the_installed_wheel_records_per_phase_counts_equal_to_the_kernels(
 
     rec = start_recorder("-d", loopdev, command=[str(installed / "kvprof")], env=env, cwd=cwd)
 
-    def mark(phase: str) -> None:
-        subprocess.run([str(installed / "kvprof"), "mark", phase, "--socket", rec.socket],
-                       check=True, env=env, cwd=cwd, capture_output=True)
-
-    s0 = settle(loopdev)
-    mark("prefill")
-    direct_write(loopdev, 16 << 20)
-    s1 = read_stat(loopdev)
-    mark("decode")
-    direct_random_reads(loopdev, 1000, span=16 << 20)
-    s2 = read_stat(loopdev)
-    mark("idle")
+    s0, s1, s2 = marked_io(loopdev, lambda phase: _mark(installed, phase, rec.socket))
     time.sleep(0.1)
     assert rec.stop() == 0
     r = subprocess.run([str(installed / "kvprof"), "report", str(rec.out), "--json"],
@@ -198,6 +187,36 @@ def scraped_block(port: int, dev: str) -> dict[tuple[str, str], tuple[int, int]]
     return {k: (v[0], v[1]) for k, v in got.items()}
 
 
+def marked_io(dev: str, mark) -> tuple[list[int], list[int], list[int]]:
+    """Prefill: 16 MiB of 1 MiB direct writes; decode: 1000 random 4 KiB direct reads; each
+    phase marked by `mark(phase)` first, idle after. The device's stat before, between, after."""
+    s0 = settle(dev)
+    mark("prefill")
+    direct_write(dev, 16 << 20)
+    s1 = read_stat(dev)
+    mark("decode")
+    direct_random_reads(dev, 1000, span=16 << 20)
+    s2 = read_stat(dev)
+    mark("idle")
+    return s0, s1, s2
+
+
+def assert_scraped_is_the_kernels(scraped: dict, stats: tuple, report: dict) -> None:
+    """What a recorder's /metrics served for the device, per phase, against the kernel's
+    count of marked_io's work. Scraped before the stop: what was in flight then (AT_STOP, on
+    any device of the host) cannot excuse a shortfall; a completion the kernel did not trace
+    (NOT_SEEN) only as far as the witness proves it."""
+    prefill, decode = stat_delta(stats[0], stats[1]), stat_delta(stats[1], stats[2])
+    assert prefill[WRITE_SECTORS] * 512 == 16 << 20 and decode[READ_IOS] == 1000
+    print(f"Prometheus {scraped}; kernel: prefill writes {prefill[WRITE_IOS]}, decode reads "
+          f"{decode[READ_IOS]}")
+    write, read = scraped[("prefill", "write")], scraped[("decode", "read")]
+    assert_kernel_count(write[0], prefill[WRITE_IOS], report, reason=NOT_SEEN)
+    assert_kernel_count(read[0], decode[READ_IOS], report, reason=NOT_SEEN)
+    assert_kernel_count(write[1], prefill[WRITE_SECTORS] * 512, report, 1 << 20, NOT_SEEN)
+    assert_kernel_count(read[1], decode[READ_SECTORS] * 512, report, 4096, NOT_SEEN)
+
+
 def test_the_systemd_unit_verifies_and_runs_the_wheel_as_it_would(installed, loopdev, tmp_path):
     unit = unit_settings()
     argv = shlex.split(unit["ExecStart"])
@@ -230,14 +249,7 @@ def test_the_systemd_unit_verifies_and_runs_the_wheel_as_it_would(installed, loo
         # Nothing outside the unit's set (kvprof drops more itself once attached).
         allowed = sum(1 << _CAP_BITS[c] for c in unit["CapabilityBoundingSet"].split())
         assert bounding & ~allowed == 0, hex(bounding)
-        s0 = settle(loopdev)
-        _mark(installed, "prefill", sock)
-        direct_write(loopdev, 16 << 20)
-        s1 = read_stat(loopdev)
-        _mark(installed, "decode", sock)
-        direct_random_reads(loopdev, 1000, span=16 << 20)
-        s2 = read_stat(loopdev)
-        _mark(installed, "idle", sock)
+        stats = marked_io(loopdev, lambda phase: _mark(installed, phase, sock))
         # Counts are published --settle (5) s after their second, at the next flush.
         time.sleep(5 + 1.5)
         scraped = scraped_block(port, loopdev)
@@ -256,20 +268,8 @@ def test_the_systemd_unit_verifies_and_runs_the_wheel_as_it_would(installed, loo
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["session"]["status"] == "complete"
-    prefill, decode = stat_delta(s0, s1), stat_delta(s1, s2)
-    print(f"unit: Prometheus {scraped}; kernel prefill writes {prefill[WRITE_IOS]}, decode "
-          f"reads {decode[READ_IOS]}; stopped in {stopped_s:.1f} s")
-    # Scraped before the stop: what was in flight then (AT_STOP, on any device of the host)
-    # cannot excuse a shortfall; a completion the kernel did not trace (NOT_SEEN) only as far
-    # as the witness proves it.
-    assert_kernel_count(scraped[("prefill", "write")][0], prefill[WRITE_IOS], report,
-                        reason=NOT_SEEN)
-    assert_kernel_count(scraped[("decode", "read")][0], decode[READ_IOS], report,
-                        reason=NOT_SEEN)
-    assert_kernel_count(scraped[("prefill", "write")][1], prefill[WRITE_SECTORS] * 512, report,
-                        1 << 20, NOT_SEEN)
-    assert_kernel_count(scraped[("decode", "read")][1], decode[READ_SECTORS] * 512, report,
-                        4096, NOT_SEEN)
+    print(f"unit: stopped in {stopped_s:.1f} s")
+    assert_scraped_is_the_kernels(scraped, stats, report)
 
 
 # capability numbers (linux/capability.h)

@@ -30,21 +30,17 @@ import pytest
 import yaml
 
 from tests.helpers import (
-    NOT_SEEN,
-    READ_IOS,
-    READ_SECTORS,
-    WRITE_IOS,
-    WRITE_SECTORS,
-    assert_kernel_count,
-    direct_random_reads,
-    direct_write,
     live,
-    read_stat,
     run_kvprof,
-    settle,
-    stat_delta,
 )
-from tests.live.test_deploy import DAEMONSET, IMAGE, free_port, scraped_block
+from tests.live.test_deploy import (
+    DAEMONSET,
+    IMAGE,
+    assert_scraped_is_the_kernels,
+    free_port,
+    marked_io,
+    scraped_block,
+)
 
 pytestmark = live
 
@@ -140,14 +136,7 @@ def test_the_image_runs_as_the_daemonset_and_counts_what_the_kernel_counts(
                             text=True)
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     sock = str(tmp_path / "run" / "marks.sock")
-    s0 = settle(loopdev)
-    run_kvprof("mark", "prefill", "--socket", sock)
-    direct_write(loopdev, 16 << 20)
-    s1 = read_stat(loopdev)
-    run_kvprof("mark", "decode", "--socket", sock)
-    direct_random_reads(loopdev, 1000, span=16 << 20)
-    s2 = read_stat(loopdev)
-    run_kvprof("mark", "idle", "--socket", sock)
+    stats = marked_io(loopdev, lambda phase: run_kvprof("mark", phase, "--socket", sock))
     time.sleep(5 + 1.5)  # published --settle (5) s after their second, at the next flush
     scraped = scraped_block(port, loopdev)
     pod = yaml.safe_load(DAEMONSET.read_text())["spec"]["template"]["spec"]
@@ -164,20 +153,8 @@ def test_the_image_runs_as_the_daemonset_and_counts_what_the_kernel_counts(
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["session"]["status"] == "complete"
-    prefill, decode = stat_delta(s0, s1), stat_delta(s1, s2)
-    print(f"image {IMAGE}: Prometheus {scraped}; kernel prefill writes {prefill[WRITE_IOS]}, "
-          f"decode reads {decode[READ_IOS]}; stopped in {stopped_s:.1f} s")
-    # Scraped before the stop: what was in flight then (AT_STOP, on any device of the host)
-    # cannot excuse a shortfall; a completion the kernel did not trace (NOT_SEEN) only as far
-    # as the witness proves it.
-    assert_kernel_count(scraped[("prefill", "write")][0], prefill[WRITE_IOS], report,
-                        reason=NOT_SEEN)
-    assert_kernel_count(scraped[("decode", "read")][0], decode[READ_IOS], report,
-                        reason=NOT_SEEN)
-    assert_kernel_count(scraped[("prefill", "write")][1], prefill[WRITE_SECTORS] * 512, report,
-                        1 << 20, NOT_SEEN)
-    assert_kernel_count(scraped[("decode", "read")][1], decode[READ_SECTORS] * 512, report,
-                        4096, NOT_SEEN)
+    print(f"image {IMAGE}: stopped in {stopped_s:.1f} s")
+    assert_scraped_is_the_kernels(scraped, stats, report)
 
 
 def test_without_the_hosts_headers_it_compiles_against_its_own(loopdev, tmp_path, container):
