@@ -243,7 +243,7 @@ def test_the_systemd_unit_verifies_and_runs_the_wheel_as_it_would(installed, loo
                             + args, cwd=workdir, env=_clean_env(), stderr=subprocess.PIPE,
                             text=True)
     try:
-        lines = _ready(proc)
+        lines = ready(proc)
         bounding = int(re.search(r"CapBnd:\s*(\w+)",
                                  Path(f"/proc/{proc.pid}/status").read_text())[1], 16)
         # Nothing outside the unit's set (kvprof drops more itself once attached).
@@ -277,11 +277,12 @@ _CAP_BITS = {"CAP_DAC_READ_SEARCH": 2, "CAP_SYS_PTRACE": 19, "CAP_SYS_ADMIN": 21
              "CAP_SYS_RESOURCE": 24, "CAP_PERFMON": 38, "CAP_BPF": 39}
 
 
-def _ready(proc: subprocess.Popen) -> list[str]:
-    """The recorder's stderr up to the line that says it is tracing (at most 90 s)."""
+def ready(proc: subprocess.Popen, timeout: float = 120) -> list[str]:
+    """The recorder's stderr (its own, or its container's) up to the line that says it is
+    tracing."""
     lines: list[str] = []
     assert proc.stderr is not None
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + timeout
     for line in proc.stderr:
         lines.append(line)
         if "Hit Ctrl-C" in line:

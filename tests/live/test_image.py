@@ -39,6 +39,7 @@ from tests.live.test_deploy import (
     assert_scraped_is_the_kernels,
     free_port,
     marked_io,
+    ready,
     scraped_block,
 )
 
@@ -115,23 +116,11 @@ def container(tmp_path):
         subprocess.run(PODMAN + ["rm", "-f", "-t", "0", name], capture_output=True)
 
 
-def _ready(proc: subprocess.Popen, timeout: float = 120) -> list[str]:
-    lines: list[str] = []
-    assert proc.stderr is not None
-    deadline = time.monotonic() + timeout
-    for line in proc.stderr:
-        lines.append(line)
-        if "Hit Ctrl-C" in line:
-            return lines
-        assert time.monotonic() < deadline, "".join(lines)
-    raise AssertionError("the container ended before kvprof attached:\n" + "".join(lines))
-
-
 def test_the_image_runs_as_the_daemonset_and_counts_what_the_kernel_counts(
         loopdev, tmp_path, container):
     name, port = f"kvprof-test-{os.getpid()}", free_port()
     proc = container(daemonset_run(name, tmp_path, port))
-    lines = _ready(proc)
+    lines = ready(proc)
     doctor = subprocess.run(PODMAN + ["exec", name, "kvprof", "doctor"], capture_output=True,
                             text=True)
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
