@@ -18,10 +18,13 @@ from pathlib import Path
 import pytest
 
 from kvprof import system
+from kvprof.phases.metrics import MetricsSource
 from kvprof.summary import Report
 from tests.report_shape import check as check_shape
 
 KVPROF = [sys.executable, "-m", "kvprof"]
+# Long enough for a metrics source's scrape after the last request, at its slowest pace.
+SCRAPED_S = MetricsSource.max_interval_s + 0.2
 
 
 # /sys/block/DEV/stat fields (Documentation/block/stat.rst)

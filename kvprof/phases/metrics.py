@@ -224,12 +224,15 @@ class MetricsSource(PhaseSource):
     kind = "engine"
     default_url = "http://127.0.0.1/metrics"
     interval_s = 0.1
-    # The engine renders its page on the thread that serves its API (vLLM's 51 kB: 3.6 ms on
+    # The engine renders its page on the thread that serves its API (vLLM's 51 kB: ~4 ms on
     # 2 vCPUs), so a scrape costs it about the scrape's response time. Scrapes come at most
     # every interval_s and no more often than keeps that time within `share` of the engine's
-    # (the median of the last few responses), nor less often than max_interval_s.
+    # (the median of the last five responses, from the third on: the first comes over a new
+    # connection from a cold page), nor less often than max_interval_s. A scrape that timed
+    # out counts as a response of timeout_s.
     share = 0.01
     max_interval_s = 1.0
+    paced_after = 3
     timeout_s = 0.5
     max_retry_s = 2.0
     max_body_bytes = 16 << 20
@@ -260,7 +263,9 @@ class MetricsSource(PhaseSource):
         self._missing = False
         self.scrapes = 0  # successful scrapes, for status lines and tests
         self._response_s: deque[float] = deque(maxlen=5)
-        self.longest_interval_s = self.interval_s  # the pace's slowest, for the session row
+        self._answers = 0
+        self._last_ok_ns: int | None = None
+        self.longest_gap_s = 0.0  # between consecutive good scrapes, for the session row
 
     # -- per engine ---------------------------------------------------------------------------
     def engine_of(self, model: str = "", rank: str = "") -> str:
@@ -321,25 +326,34 @@ class MetricsSource(PhaseSource):
             # are there from the start: any mention says this is the engine's endpoint.
             family = self.family_prefix in text
         except _ScrapeFailed as e:
+            took_s = (time.monotonic_ns() - t0) / 1e9
+            if took_s >= self.timeout_s:  # the engine too slow to answer at all
+                self._pace(took_s)
+            self._last_ok_ns = None
             self._failed(e.kind, str(e))
             return
         self._retry_s = 0.0
         self.scrapes += 1
+        if self._last_ok_ns is not None:
+            self.longest_gap_s = max(self.longest_gap_s, (ts_ns - self._last_ok_ns) / 1e9)
+        self._last_ok_ns = ts_ns
         self.ingest(ts_ns, samples, family)
 
     def _pace(self, response_s: float) -> None:
         """The interval to the next scrape, from how long the engine took to answer."""
         self._response_s.append(response_s)
+        self._answers += 1
+        if self._answers < self.paced_after:
+            return
         cost_s = statistics.median(self._response_s) / self.share
         self.interval_s = min(self.max_interval_s, max(type(self).interval_s, cost_s))
-        self.longest_interval_s = max(self.longest_interval_s, self.interval_s)
 
     def pace(self) -> dict[str, float]:
-        """The longest interval between scrapes the pace asked for (window edges are within
-        one such interval) and the engine's median response time at the end."""
-        if not self._response_s:
+        """The longest time between two consecutive good scrapes (every window edge is within
+        one such gap) and the engine's median response time at the end."""
+        if not self.longest_gap_s:
             return {}
-        return {"scrape_interval_s": round(self.longest_interval_s, 3),
+        return {"scrape_interval_s": round(self.longest_gap_s, 3),
                 "response_ms": round(statistics.median(self._response_s) * 1e3, 2)}
 
     def _failed(self, kind: str, detail: str) -> None:

@@ -144,8 +144,8 @@ def to_text(summary: Summary, name: str = "") -> str:
     lines += _exact_lines(summary.get("exact"))
     lines.insert(3, window_line(s)[:WIDTH])
     for src, pace in s.get("source_pace", {}).items():
-        lines.insert(4, f"  scrapes {pace['scrape_interval_s']:g} s apart or less (answered in "
-                     f"{pace['response_ms']:g} ms): {src}"[:WIDTH])
+        lines.insert(4, f"  {src}: scraped every {pace['scrape_interval_s']:g} s or less "
+                     f"({pace['response_ms']:g} ms a page)")
     for src, problems in s["source_problems"].items():
         lines.insert(4, f"  {src}: " + ", ".join(f"{k.split('.', 1)[-1]} {v}"
                                                 for k, v in problems.items()))

@@ -21,6 +21,7 @@ from kvprof.analysis.rowsource import SqlRows, ViewFilter
 from tests.engine import vllm_server
 from tests.helpers import (
     READ_SECTORS,
+    SCRAPED_S,
     WRITE_SECTORS,
     live,
     require,
@@ -408,7 +409,7 @@ def lmcache_run(readers: int, dev: str, ext4: Path, tmp_path: Path, start_record
             s0 = settle(dev)
             ext0, m0 = external_tokens(server), server.metrics()
             usage = [server.complete(0, GENERATED, prompt=p) for p in requests]
-            time.sleep(0.5)  # the last steps' windows and a scrape after them
+            time.sleep(SCRAPED_S)  # the last steps' windows and a scrape after them
             ext1, m1 = external_tokens(server), server.metrics()
             os.sync()  # the stores written back while recording: given back to prefill
             s1 = settle(dev)
@@ -656,7 +657,7 @@ def test_a_replay_on_a_slow_candidate_against_the_engine_run_there(loopdev, slow
                                      f"vllm-metrics={server.url}/metrics", name=name,
                                      socket=server.marks_socket)
                 _documents(server, 100)
-                time.sleep(0.5)
+                time.sleep(SCRAPED_S)
                 os.sync()
                 assert rec.stop() == 0, "".join(rec.stderr_lines)
                 sessions[name] = rec.report()

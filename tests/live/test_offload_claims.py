@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_htt
 
 from kvprof.markers import Marker
 from kvprof.units import human_bytes
-from tests.helpers import aligned, live, mounted_ext4, run_kvprof
+from tests.helpers import SCRAPED_S, aligned, live, mounted_ext4, run_kvprof
 from tests.live.test_prometheus import free_port, get, wait_for
 
 pytestmark = live
@@ -164,7 +164,7 @@ def test_the_engines_offload_counts_beside_its_files(engine, loopdev, tmp_path,
                                  "--prometheus", f"127.0.0.1:{port}")
             time.sleep(0.5)  # the source's first scrape: every counter's starting value
             serve(tier, root, Marker(rec.socket))
-            time.sleep(0.6)  # a scrape after the last count
+            time.sleep(SCRAPED_S)  # a scrape after the last count
             # For fleets: the files' side, beside the engine's own count of its offload.
             want = {("kvprof_kv_cache_bytes_total", "read"): STORED * BLOCK,
                     ("kvprof_kv_cache_bytes_total", "write"): STORED * BLOCK,

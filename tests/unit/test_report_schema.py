@@ -76,3 +76,13 @@ def test_the_offload_line_puts_the_engines_claims_beside_its_files():
         "3.4 MiB")
     assert offload_sentence({**o, "hit_tokens": None, "claimed_read_bytes": None,
                              "caches": []}) is None
+
+
+def test_the_text_report_says_how_often_a_metrics_source_scraped():
+    from kvprof.views.report import to_text
+
+    report = json.loads((GOLDEN / "report-demo.json").read_text())
+    src = "vllm-metrics=http://127.0.0.1:8000/metrics"
+    report["session"]["source_pace"] = {src: {"scrape_interval_s": 0.431, "response_ms": 4.3}}
+    lines = to_text(report, "demo").splitlines()
+    assert f"  {src}: scraped every 0.431 s or less (4.3 ms a page)" in lines
