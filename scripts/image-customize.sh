@@ -22,6 +22,7 @@ chroot "$r" /opt/kvprof/bin/python -c \
 # depend on (the compiler that builds modules: bcc brings its own clang).
 hdr=$(chroot "$r" apt-cache depends linux-headers-amd64 |
       sed -n 's/.*Depends: \(linux-headers-[0-9].*-amd64\)$/\1/p' | head -n 1)
+[ -n "$hdr" ] || { echo "image-customize: no linux-headers-*-amd64 behind linux-headers-amd64" >&2; exit 1; }
 mkdir -p "$r/tmp/debs" "$r/tmp/h"
 chroot "$r" sh -c "cd /tmp/debs && apt-get download -q -o APT::Sandbox::User=root $hdr ${hdr%-amd64}-common" >/dev/null
 for d in "$r"/tmp/debs/*.deb; do dpkg-deb -x "$d" "$r/tmp/h"; done

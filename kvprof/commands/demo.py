@@ -148,7 +148,7 @@ def _show_sample(report: Callable[[Path, str], None], why: str, tui: bool = Fals
         from kvprof.live import run_replay
 
         return run_replay(str(SAMPLE_DIR))
-    report(SAMPLE_DIR, "samples/demo")
+    report(SAMPLE_DIR, "kvprof/samples/demo")
     return 0
 
 

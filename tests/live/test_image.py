@@ -1,12 +1,11 @@
 """The image (`bash scripts/dev.sh image`, localhost/kvprof:VERSION) run by podman as the
 DaemonSet runs it: the podman command line is read from deploy/kubernetes/daemonset.yaml (host
 PID, its capabilities and nothing else, its user, working directory, host mounts and
-arguments). Three things differ, each for the test's sake: the marker socket's and the
-sessions' host directories are this test's own; the Prometheus port is a free one on the host's
-network (`--network=host`: the pod network is the cluster's, not podman's); and the open-files
-and processes limits are set (`--ulimit`) to what root here can give, where podman would raise
-them past it (root's bounding set here lacks CAP_SYS_RESOURCE); a kubelet's runtime hands down
-its own. Podman runs with runc: crun refuses this host's hybrid cgroup layout.
+arguments, host network). Three things differ, each for the test's sake: the marker socket's
+and the sessions' host directories are this test's own; the Prometheus port is a free one; and
+the open-files and processes limits are set (`--ulimit`) to what root here can give, where
+podman would raise them past it (root's bounding set here lacks CAP_SYS_RESOURCE); a kubelet's
+runtime hands down its own. Podman runs with runc: crun refuses this host's hybrid cgroups.
 
 It records a loop device on the host; its Prometheus counters per phase equal
 /sys/block/DEV/stat; `kvprof doctor` inside it passes; SIGTERM (`podman stop`, the DaemonSet's
@@ -80,12 +79,13 @@ def daemonset_run(name: str, tmp: Path, port: int, *, host_headers: bool = True,
     (c,) = pod["containers"]
     sec = c["securityContext"]
     assert sec.get("privileged") is False and sec["capabilities"]["drop"] == ["ALL"]
-    argv = PODMAN + ["run", "--name", name, "--log-driver=k8s-file", "--network=host",
-                     *_host_limits(),
+    argv = PODMAN + ["run", "--name", name, "--log-driver=k8s-file", *_host_limits(),
                      "--cap-drop=all", "--user", str(sec["runAsUser"]),
                      "--workdir", c["workingDir"]]
     if pod.get("hostPID"):
         argv.append("--pid=host")
+    if pod.get("hostNetwork"):
+        argv.append("--network=host")
     argv += [f"--cap-add=CAP_{cap}" for cap in sec["capabilities"]["add"]]
     volumes = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"]}
     own = {"/run/kvprof": tmp / "run", "/var/lib/kvprof": tmp / "sessions"}
