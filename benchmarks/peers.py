@@ -2,7 +2,7 @@
 
     sudo .venv/bin/python benchmarks/peers.py [--rounds 5] [--runtime 5] [--job ...] [--tool ...]
                                                 [--backing data] [--scheduler S]
-                                                [--bpf-stats]
+                                                [--settle S] [--bpf-stats]
 
 The same load on the same private loop device (over /dev/shm) for every tool: fio without any
 tracer, fio with the tool attached, fio without again; the ratio is the attached figure over
@@ -248,6 +248,10 @@ def main() -> int:
     ap.add_argument("--scheduler", choices=("none", "mq-deadline"), default="none",
                     help="the device's I/O scheduler: none (an NVMe drive's) or mq-deadline "
                          "(a loop device's or a SATA disk's)")
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="seconds each tool stays attached, the device idle, before its measured "
+                         "run: the tool left attached, not its first moments (a recorder's "
+                         "first flush; attach times: overhead.py)")
     ap.add_argument("--bpf-stats", action="store_true",
                     help="also run each attached job once more with the kernel's BPF run-time "
                          "statistics on and print, per tool, the ns its programs ran per "
@@ -277,6 +281,7 @@ def main() -> int:
                         continue
                     if tool.paused:
                         got.send_signal(signal.SIGSTOP)
+                    time.sleep(args.settle)
                     traced = fio(dev, JOBS[job], args.runtime)
                     if args.bpf_stats:
                         costs.setdefault((job, tool.name), []).append(
@@ -291,7 +296,7 @@ def main() -> int:
                           f" -> {traced:10.0f}  ratio {ratio:.3f}", flush=True)
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"\n{args.rounds} rounds of {args.runtime} s on a {args.backing} loop device "
-          f"(scheduler {args.scheduler}); "
+          f"(scheduler {args.scheduler}; {args.settle:g} s attached before each run); "
           "attached / mean of the bracketing baselines, median (min..max)\n")
     print("| attached | " + " | ".join(jobs) + " |")
     print("|---|" + "---|" * len(jobs))
