@@ -56,34 +56,33 @@ def require_privilege() -> None:
         raise KvprofError(f"{c.detail} (try sudo)", EX_NOPERM)
 
 
-def tracefs() -> Path | None:
+def _tracefs_found() -> tuple[Path | None, Path | None]:
+    """The first tracefs this user can read; else (None, the first mounted where it may not
+    look: its mode is 0700, root's)."""
+    denied = None
     for p in TRACEFS_CANDIDATES:
         try:
             if (p / "events").is_dir():
-                return p
+                return p, None
         except PermissionError:
-            continue  # mounted, root's alone (mode 0700): tracefs_denied() says so
-    return None
+            denied = denied or p
+    return None, denied
 
 
-def tracefs_denied() -> Path | None:
-    """A tracefs mounted where this user may not look (its mode is 0700, root's)."""
-    for p in TRACEFS_CANDIDATES:
-        try:
-            (p / "events").is_dir()
-        except PermissionError:
-            return p
-    return None
+def tracefs() -> Path | None:
+    return _tracefs_found()[0]
+
+
+# What to do where tracefs is there but not this user's to read.
+AS_ROOT = "run kvprof as root (sudo)"
 
 
 def check_tracefs() -> Check:
-    p = tracefs()
+    p, denied = _tracefs_found()
     if p:
         return Check("tracefs", True, str(p))
-    denied = tracefs_denied()
     if denied:
-        return Check("tracefs", False, f"{denied} is not readable by this user",
-                     "run kvprof as root (sudo)")
+        return Check("tracefs", False, f"{denied} is not readable by this user", AS_ROOT)
     return Check("tracefs", False, "tracefs is not mounted",
                  "sudo mount -t tracefs tracefs /sys/kernel/tracing")
 
@@ -114,11 +113,11 @@ def tracepoint_available(tp: str) -> bool:
 
 def check_tracepoints() -> list[Check]:
     out = []
-    unreadable = tracefs() is None and tracefs_denied() is not None
+    readable, denied = _tracefs_found()
     for group, tps in TRACEPOINTS.items():
-        if unreadable:
+        if readable is None and denied is not None:
             out.append(Check(f"tracepoints:{group}", False, "not checked: tracefs is not "
-                             "readable by this user", "run kvprof as root (sudo)",
+                             "readable by this user", AS_ROOT,
                              required=layers.BY_NAME[group].default))
             continue
         missing = [t for t in tps if not tracepoint_available(t)]
@@ -172,24 +171,40 @@ def headers_fix() -> str:
             "sudo apt-get install linux-headers-amd64, then run kvprof doctor again)")
 
 
-def check_headers() -> Check:
+# The kernel's own headers, where it was built with CONFIG_IKHEADERS (bcc unpacks them).
+KHEADERS = Path("/sys/kernel/kheaders.tar.xz")
+
+
+def headers_found() -> tuple[str, Path] | None:
+    """The headers bcc will compile against, in its own order ("build": the kernel's build
+    tree; "kheaders"), then kvprof's bundled generic ones ("bundled", handed to bcc)."""
     d = headers_dir()
     if d:
-        return Check("kernel headers", True, str(d.resolve()))
-    if Path("/sys/kernel/kheaders.tar.xz").exists():
-        return Check("kernel headers", True, "/sys/kernel/kheaders.tar.xz (CONFIG_IKHEADERS)")
+        return "build", d
+    if KHEADERS.exists():
+        return "kheaders", KHEADERS
     bundled = _bundled_headers()
     if bundled:
-        return Check("kernel headers", True, f"{bundled} (generic, ${ENV_HEADERS})")
-    return Check("kernel headers", False, f"none for {platform.release()}", headers_fix())
+        return "bundled", bundled
+    return None
+
+
+def check_headers() -> Check:
+    found = headers_found()
+    if found is None:
+        return Check("kernel headers", False, f"none for {platform.release()}", headers_fix())
+    kind, d = found
+    detail = {"build": str(d.resolve()), "kheaders": f"{d} (CONFIG_IKHEADERS)",
+              "bundled": f"{d} (generic, ${ENV_HEADERS})"}[kind]
+    return Check("kernel headers", True, detail)
 
 
 def require_headers() -> None:
-    c = check_headers()
-    if not c.ok:
-        raise KvprofError(f"no kernel headers for {platform.release()}; fix: {c.fix}",
-                          EX_UNAVAILABLE)
-    bundled = _bundled_headers()
-    if bundled and c.detail.startswith(str(bundled)):
+    found = headers_found()
+    if found is None:
+        raise KvprofError(f"no kernel headers for {platform.release()}; "
+                          f"fix: {headers_fix()}", EX_UNAVAILABLE)
+    kind, d = found
+    if kind == "bundled":
         # bcc reads it when it compiles (libbcc's loader), in this process.
-        os.environ.setdefault("BCC_KERNEL_SOURCE", str(bundled))
+        os.environ.setdefault("BCC_KERNEL_SOURCE", str(d))

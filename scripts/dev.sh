@@ -215,7 +215,7 @@ case "$job" in
     fi
     [ -n "${wheel:-}" ] || build_wheel .venv/bin/python
     export KVPROF_WHEEL=$wheel
-    [ -z "${CI:-}" ] || export KVPROF_REQUIRE_VLLM=1 KVPROF_REQUIRE_IMAGE=1
+    [ -z "${CI:-}" ] || export KVPROF_REQUIRE_VLLM=1
     KVPROF_REQUIRE_LIVE=1 exec .venv/bin/python -m pytest "$@" ;;
   image) build_image ;;
   slow-device) exec .venv/bin/python -m tests.slow_device "$@" ;;

@@ -8,9 +8,11 @@ import mmap
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,9 +76,23 @@ def mounted_ext4(dev: str, mnt: Path):
         subprocess.run(["umount", str(mnt)], check=False)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str) -> bytes:
+    # Loopback only: a proxy from the environment must not catch it.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=5) as r:
+        return r.read()
+
+
 def require(why: str | None) -> None:
-    """A part the test needs (vLLM, nbdkit) is missing (`why`): skip, saying so; under CI
-    (KVPROF_REQUIRE_VLLM=1, which scripts/dev.sh sets there) fail instead."""
+    """A part the test needs (vLLM, nbdkit, the image, the OS's venv) is missing (`why`):
+    skip, saying so; under CI (KVPROF_REQUIRE_VLLM=1, which scripts/dev.sh sets there) fail
+    instead."""
     if why is None:
         return
     if os.environ.get("KVPROF_REQUIRE_VLLM") == "1":

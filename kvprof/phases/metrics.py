@@ -263,8 +263,6 @@ class MetricsSource(PhaseSource):
         self._missing = False
         self.scrapes = 0  # successful scrapes, for status lines and tests
         self._response_s: deque[float] = deque(maxlen=5)
-        self._answers = 0
-        self._last_ok_ns: int | None = None
         self.longest_gap_s = 0.0  # between consecutive good scrapes, for the session row
 
     # -- per engine ---------------------------------------------------------------------------
@@ -329,21 +327,18 @@ class MetricsSource(PhaseSource):
             took_s = (time.monotonic_ns() - t0) / 1e9
             if took_s >= self.timeout_s:  # the engine too slow to answer at all
                 self._pace(took_s)
-            self._last_ok_ns = None
             self._failed(e.kind, str(e))
             return
         self._retry_s = 0.0
         self.scrapes += 1
-        if self._last_ok_ns is not None:
-            self.longest_gap_s = max(self.longest_gap_s, (ts_ns - self._last_ok_ns) / 1e9)
-        self._last_ok_ns = ts_ns
+        if self._prev_ts is not None:  # (none after a failure: no window spans one)
+            self.longest_gap_s = max(self.longest_gap_s, (ts_ns - self._prev_ts) / 1e9)
         self.ingest(ts_ns, samples, family)
 
     def _pace(self, response_s: float) -> None:
         """The interval to the next scrape, from how long the engine took to answer."""
         self._response_s.append(response_s)
-        self._answers += 1
-        if self._answers < self.paced_after:
+        if len(self._response_s) < self.paced_after:
             return
         cost_s = statistics.median(self._response_s) / self.share
         self.interval_s = min(self.max_interval_s, max(type(self).interval_s, cost_s))

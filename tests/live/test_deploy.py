@@ -21,11 +21,9 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -43,6 +41,8 @@ from tests.helpers import (
     assert_kernel_count,
     direct_random_reads,
     direct_write,
+    free_port,
+    http_get,
     live,
     read_stat,
     require,
@@ -166,17 +166,9 @@ def unit_settings() -> dict[str, str]:
                 if "=" in line and not line.startswith(("#", ";")))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def scraped_block(port: int, dev: str) -> dict[tuple[str, str], tuple[int, int]]:
     """(ios, bytes) per (phase, op) of the block layer on dev, from the recorder's /metrics."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
+    text = http_get(f"http://127.0.0.1:{port}/metrics").decode()
     got: dict[tuple[str, str], list[int]] = {}
     for fam in text_string_to_metric_families(text):
         for smp in fam.samples:

@@ -12,8 +12,8 @@ It records a loop device on the host; its Prometheus counters per phase equal
 grace period) ends it in time, exit 0, the session complete and readable on the host. Without
 the host's headers it compiles against the generic ones it carries.
 
-Where podman or the image is missing the tests skip; under CI (KVPROF_REQUIRE_IMAGE=1, set by
-scripts/dev.sh, which builds the image first) they fail instead.
+Where podman or the image is missing the tests skip; under CI (`require`: scripts/dev.sh builds
+the image first there) they fail instead.
 """
 from __future__ import annotations
 
@@ -29,14 +29,15 @@ import pytest
 import yaml
 
 from tests.helpers import (
+    free_port,
     live,
+    require,
     run_kvprof,
 )
 from tests.live.test_deploy import (
     DAEMONSET,
     IMAGE,
     assert_scraped_is_the_kernels,
-    free_port,
     marked_io,
     ready,
     scraped_block,
@@ -58,11 +59,7 @@ def _missing() -> str | None:
 
 @pytest.fixture(scope="module", autouse=True)
 def image():
-    why = _missing()
-    if why:
-        if os.environ.get("KVPROF_REQUIRE_IMAGE") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
+    require(_missing())
 
 
 def _host_limits() -> list[str]:

@@ -28,6 +28,8 @@ from tests.helpers import (
     assert_kernel_count,
     direct_random_reads,
     direct_write,
+    free_port,
+    http_get,
     live,
     run_kvprof,
 )
@@ -36,19 +38,6 @@ pytestmark = live
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url: str) -> bytes:
-    # Loopback only: a proxy from the environment must not catch it.
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(url, timeout=5) as r:
-        return r.read()
 
 
 def wait_for(cond, timeout: float, what: str):
@@ -84,7 +73,7 @@ def prometheus(tmp_path):
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         servers.append(proc)
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: get(url + "/-/ready"), 60, "prometheus to be ready")
+        wait_for(lambda: http_get(url + "/-/ready"), 60, "prometheus to be ready")
         return url
 
     yield start
@@ -94,7 +83,7 @@ def prometheus(tmp_path):
 
 
 def promql(url: str, query: str) -> list[dict]:
-    body = json.loads(get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": query})))
+    body = json.loads(http_get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": query})))
     assert body["status"] == "success", body
     return body["data"]["result"]
 
@@ -132,7 +121,7 @@ def test_prometheus_scrapes_the_reports_per_phase_totals(loopdev, start_recorder
     seconds = {r["metric"]["phase"]: float(r["value"][1])
                for r in promql(url, 'kvprof_phase_seconds_total{source="manual"}')}
     up = promql(url, 'kvprof_build_info')
-    metrics_text = get(f"http://127.0.0.1:{port}/metrics").decode()
+    metrics_text = http_get(f"http://127.0.0.1:{port}/metrics").decode()
     assert rec.stop() == 0
     report = rec.report()
     exact = report["exact"]["phases"]
@@ -163,7 +152,7 @@ def test_prometheus_scrapes_the_reports_per_phase_totals(loopdev, start_recorder
         assert used and used <= names, (expr, used - names)
         # Each query runs on the real server.
         q = expr.replace("$host", ".*").replace("$__rate_interval", "1m")
-        body = json.loads(get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": q})))
+        body = json.loads(http_get(f"{url}/api/v1/query?" + urllib.parse.urlencode({"query": q})))
         assert body["status"] == "success", (q, body)
     assert any(v["name"] == "host" for v in dashboard["templating"]["list"])
     rules = yaml.safe_load((DASHBOARDS / "kvprof-alerts.yml").read_text())

@@ -11,7 +11,6 @@ import itertools
 import json
 import math
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from kvprof.phases.metrics import (
     check_url,
     from_spec,
 )
+from tests.helpers import free_port
 
 TICK_S = 0.02
 TOL_NS = int((MetricsSource.interval_s + 0.1) * 1e9)
@@ -647,14 +647,8 @@ def test_tgi_windows_from_batch_calls(endpoints, sources):
 # -- failures ------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_endpoint_is_counted_and_retried_until_it_answers(endpoints, sources):
-    port = _free_port()
+    port = free_port()
     src = sources(VllmMetrics(f"http://127.0.0.1:{port}/metrics"))
     wait_for(lambda: src.counts().get("vllm-metrics.unreachable", 0) >= 2, 5, "retries")
     assert src._thread.is_alive()
