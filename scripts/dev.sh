@@ -151,9 +151,10 @@ podman_() { podman --cgroup-manager=cgroupfs --events-backend=file --runtime=run
 # localhost/kvprof:VERSION, the image deploy/kubernetes/daemonset.yaml runs: Debian 12's
 # packages (python3-bpfcc; mmdebstrap, Debian's own tool, from the host's Debian mirror where
 # it has one), the wheel and its PyPI dependencies (Debian has no duckdb or pyarrow; the wheels
-# for the image's Python 3.11, whatever Python builds them), packed by `podman import`.
+# for the image's Python 3.11), Debian's generic kernel headers, packed by `podman import`.
 build_image() {
   local name img=build/image mirror=http://deb.debian.org/debian old
+  local headers=/opt/kvprof/kernel-headers  # where the image carries them
   # amd64 only: the wheels' platforms and the headers package below are amd64's.
   [ "$(dpkg --print-architecture)" = amd64 ] || {
     echo "scripts/dev.sh image: builds amd64 images only, on an amd64 host" >&2; return 1; }
@@ -175,7 +176,8 @@ build_image() {
   fi
   # The host's Acquire settings (a proxy, an archive's validity) for apt inside, at build time.
   apt-config dump | grep '^Acquire::' > "$img/apt.conf" || true
-  KVPROF_WHEEL=$wheel KVPROF_WHEELHOUSE=$PWD/$img/wheelhouse mmdebstrap --quiet \
+  KVPROF_WHEEL=$wheel KVPROF_WHEELHOUSE=$PWD/$img/wheelhouse KVPROF_KERNEL_HEADERS=$headers \
+  mmdebstrap --quiet \
     --variant=apt --format=tar --aptopt="$PWD/$img/apt.conf" \
     --include=python3,python3-venv,python3-bpfcc,mount,kmod \
     --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
@@ -186,7 +188,7 @@ build_image() {
   podman_ import -q \
     --change 'ENTRYPOINT ["/opt/kvprof/bin/kvprof"]' --change 'CMD ["doctor"]' \
     --change 'ENV PATH=/opt/kvprof/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    --change 'ENV KVPROF_KERNEL_HEADERS=/opt/kvprof/kernel-headers' \
+    --change "ENV KVPROF_KERNEL_HEADERS=$headers" \
     --change 'WORKDIR /var/lib/kvprof' --change 'EXPOSE 9464/tcp' \
     --change 'STOPSIGNAL SIGTERM' --change "LABEL org.opencontainers.image.version=$(version)" \
     "$img/rootfs.tar" "$name" >/dev/null

@@ -6,7 +6,7 @@
 # merged tree for hosts without their own (KVPROF_KERNEL_HEADERS, kvprof/system.py).
 set -eu
 r=$1
-: "${KVPROF_WHEEL:?}" "${KVPROF_WHEELHOUSE:?}"
+: "${KVPROF_WHEEL:?}" "${KVPROF_WHEELHOUSE:?}" "${KVPROF_KERNEL_HEADERS:?}"
 
 mkdir -p "$r/tmp/dist"
 cp "$KVPROF_WHEELHOUSE"/*.whl "$r/tmp/dist/"
@@ -26,12 +26,13 @@ hdr=$(chroot "$r" apt-cache depends linux-headers-amd64 |
 mkdir -p "$r/tmp/debs" "$r/tmp/h"
 chroot "$r" sh -c "cd /tmp/debs && apt-get download -q -o APT::Sandbox::User=root $hdr ${hdr%-amd64}-common" >/dev/null
 for d in "$r"/tmp/debs/*.deb; do dpkg-deb -x "$d" "$r/tmp/h"; done
-out="$r/opt/kvprof/kernel-headers"
+out="$r$KVPROF_KERNEL_HEADERS"
 mkdir -p "$out"
 cp -a "$r"/tmp/h/usr/src/linux-headers-*-common/. "$out/"
 arch_tree=$(ls -d "$r"/tmp/h/usr/src/linux-headers-*-amd64)
 cp -a "$arch_tree/include" "$arch_tree/arch" "$arch_tree/.config" "$out/"
-test -f "$out/include/linux/kconfig.h" && test -f "$out/include/generated/autoconf.h"
+test -f "$out/include/linux/kconfig.h"
+test -f "$out/include/generated/autoconf.h"
 
 rm -rf "$r/tmp/dist" "$r/tmp/debs" "$r/tmp/h"
 mkdir -p "$r/var/lib/kvprof" "$r/run/kvprof"
