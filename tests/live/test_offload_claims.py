@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_htt
 
 from kvprof.markers import Marker
 from kvprof.units import human_bytes
-from tests.helpers import SCRAPED_S, aligned, live, mounted_ext4, run_kvprof
-from tests.live.test_prometheus import free_port, get, wait_for
+from tests.helpers import SCRAPED_S, aligned, free_port, http_get, live, mounted_ext4, run_kvprof
+from tests.live.test_prometheus import wait_for
 
 pytestmark = live
 
@@ -145,7 +145,7 @@ def serve(tier: Tier, root: Path, marker: Marker) -> None:
 def files_side(port: int) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = get(f"http://127.0.0.1:{port}/metrics").decode()
+    text = http_get(f"http://127.0.0.1:{port}/metrics").decode()
     return {(s.name, s.labels.get("op")): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples
             if s.name.startswith("kvprof_kv_cache_")}
