@@ -25,7 +25,8 @@ from kvprof.summary import Report
 from tests.report_shape import check as check_shape
 
 KVPROF = [sys.executable, "-m", "kvprof"]
-# Long enough for a metrics source's scrape after the last request, at its slowest pace.
+# Long enough for a metrics source's scrape after some work, at its slowest pace: for tests
+# that read the open session at that point (a stopped session ends with a last scrape).
 SCRAPED_S = MetricsSource.max_interval_s + 0.2
 
 

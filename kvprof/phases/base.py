@@ -32,6 +32,8 @@ class PhaseSource:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"kvprof-{self.name}",
                                         daemon=True)
+        self._halted = False
+        self.ended = False  # stop() ran: its windows are closed
 
     # -- for subclasses -----------------------------------------------------------------------
     def poll(self) -> None:
@@ -75,10 +77,24 @@ class PhaseSource:
                 continue
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t0)))
 
-    def stop(self, end_ns: int) -> None:
+    def halt(self) -> None:
+        """Stop the thread and take the source's last reading (`last_poll`); once."""
+        if self._halted:
+            return
+        self._halted = True
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
+        if not self._thread.is_alive():
+            self.last_poll()
+
+    def last_poll(self) -> None:
+        """A reading at the end, for sources that only learn of work by asking (else none)."""
+
+    def stop(self, end_ns: int) -> None:
+        """Halt (if not yet) and close the windows still open at end_ns."""
+        self.halt()
+        self.ended = True
         self.close(end_ns)
 
     def take(self) -> dict[str, pa.Table]:

@@ -439,6 +439,11 @@ class MetricsSource(PhaseSource):
         rows = (track.open_row() for track in list(self._tracks.values()))
         return [row for row in rows if row is not None]
 
+    def last_poll(self) -> None:
+        # One more scrape as the session ends (unless the engine is in a failure's back-off):
+        # what the engine counted since the last one is in the session, not up to a gap lost.
+        self.poll()
+
     def close(self, end_ns: int) -> None:
         # A held busy span has no verdict yet; windows end at the last scrape that saw them.
         self._end_all(end_ns)

@@ -343,6 +343,10 @@ class Recorder:
         parts = self._parts
         capture = parts.capture
         with self._writing():
+            # The sources' last readings come first (a scrape is stamped at its receipt), so
+            # the session holds what the engine counted up to its end.
+            for _, src in self.sources:
+                src.halt()
             # The session ends where tracing starts to stop: detaching takes up to seconds,
             # in which the phase sources would go on counting what the probes no longer see.
             end_ns = time.monotonic_ns()
@@ -387,7 +391,7 @@ class Recorder:
         if self.capture is not None and not self.capture.stopping:
             attempt(self.capture.stop)
         for _, src in self.sources:
-            if not src.stopping:
+            if not src.ended:
                 # No `src=src` binding needed: attempt() calls it in this iteration.
                 attempt(lambda: src.stop(time.monotonic_ns()))
         if self.store is not None:

@@ -722,6 +722,28 @@ def test_a_page_that_times_out_is_asked_once_a_second(endpoints, sources):
     assert src.scrapes == 0 and "timed out" in src.last_error
 
 
+def test_the_source_scrapes_once_more_as_it_stops(endpoints, sources):
+    """What the engine counted after the last paced scrape is not lost when the session
+    stops: the source's last reading is a scrape at the stop."""
+    eng = FakeVllm()
+    ep = endpoints(eng.render)
+    src = sources(VllmMetrics(ep.url))
+    wait_for(lambda: src.scrapes >= MetricsSource.paced_after, 5, "paced scrapes")
+    # The pace from here on: a minute (an engine whose page costs that much of its time).
+    src.share, src.max_interval_s = 1e-9, 60.0
+    n = src.scrapes
+    wait_for(lambda: src.scrapes > n, 5, "a scrape at the new pace")
+    n = src.scrapes
+    with ep.lock:
+        eng.set_running(1)()
+        eng.step(prompt=512, first=1)
+        eng.step(decode=8)
+    rows = collect(src)
+    assert src.scrapes == n + 1
+    assert tokens(rows, "prefill_tokens") == 512
+    assert tokens(rows, "decode_tokens") == 8
+
+
 def test_missing_counters_are_reported_once_per_absence():
     src = VllmMetrics("http://127.0.0.1:1/metrics")
     for i in range(3):
