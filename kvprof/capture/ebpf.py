@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - casts need it: loaded here, not in the first flush
 
 from kvprof import caches, schema
 from kvprof import layers as layer_table
