@@ -71,7 +71,7 @@ class PhaseSource:
                 self.poll()
                 backoff = self.interval_s
             except Exception as e:  # noqa: BLE001 - any failure is counted and retried
-                self.problem(type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+                self._failure(e)
                 backoff = min(self.max_backoff_s, max(backoff * 2, self.interval_s))
                 self._stop.wait(backoff)
                 continue
@@ -85,8 +85,14 @@ class PhaseSource:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
-        if not self._thread.is_alive():
-            self.last_poll()
+        if self._thread.ident is not None and not self._thread.is_alive():  # it ran, and ended
+            try:
+                self.last_poll()
+            except Exception as e:  # noqa: BLE001 - counted, as in the loop; the stop goes on
+                self._failure(e)
+
+    def _failure(self, e: Exception) -> None:
+        self.problem(type(e).__name__, str(e).splitlines()[0] if str(e) else "")
 
     def last_poll(self) -> None:
         """A reading at the end, for sources that only learn of work by asking (else none)."""

@@ -744,6 +744,29 @@ def test_the_source_scrapes_once_more_as_it_stops(endpoints, sources):
     assert tokens(rows, "decode_tokens") == 8
 
 
+def test_a_last_scrape_that_breaks_is_counted_and_the_stop_goes_on(endpoints, sources):
+    """An unexpected error in the scrape at stop is one of the source's problems, as in its
+    loop; the windows it had open are still closed and kept."""
+    eng = FakeVllm()
+    ep = endpoints(eng.render)
+    src = sources(VllmMetrics(ep.url))
+    wait_for(lambda: src.scrapes >= 2, 5, "a baseline scrape")
+    with ep.lock:
+        eng.set_running(1)()
+        eng.step(prompt=512, first=1)
+    n = src.scrapes
+    wait_for(lambda: src.scrapes > n, 5, "a scrape of the prefill")
+
+    def broken(samples):
+        raise RuntimeError("a parser bug\nsecond line")
+
+    src.read = broken
+    rows = collect(src)
+    assert src.counts() == {"vllm-metrics.RuntimeError": 1}
+    assert src.last_error == "RuntimeError: a parser bug"
+    assert tokens(rows, "prefill_tokens") == 512
+
+
 def test_missing_counters_are_reported_once_per_absence():
     src = VllmMetrics("http://127.0.0.1:1/metrics")
     for i in range(3):
