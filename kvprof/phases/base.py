@@ -32,7 +32,6 @@ class PhaseSource:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"kvprof-{self.name}",
                                         daemon=True)
-        self._halted = False
         self.ended = False  # stop() ran: its windows are closed
 
     # -- for subclasses -----------------------------------------------------------------------
@@ -79,9 +78,8 @@ class PhaseSource:
 
     def halt(self) -> None:
         """Stop the thread and take the source's last reading (`last_poll`); once."""
-        if self._halted:
+        if self._stop.is_set():  # (only here is it set)
             return
-        self._halted = True
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
